@@ -1,0 +1,1 @@
+"""layerscope.dashboards"""

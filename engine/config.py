@@ -1,0 +1,213 @@
+"""Engine and gateway configuration: one frozen, typed record, validated on construction.
+
+Every key carries a docstring (the ``doc`` metadata) and the layer of DESIGN.md's
+taxonomy it acts on (``layer`` metadata), so a config diff can say which layer a
+change can move. Values derived at start-up (KV blocks that fit, head dims) live in
+``ResolvedConfig``, never in ``EngineConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid."""
+
+
+def _f(default: Any, layer: str, doc: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"layer": layer, "doc": doc, **kw})
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    max_concurrency: int = _f(64, "gateway.queue", "Requests admitted to the engines at once; the rest wait in the admission queue.")
+    max_queue: int = _f(256, "gateway.queue", "Requests allowed to wait for admission; beyond it the gateway answers 429.")
+    retry_after_s: int = _f(1, "gateway.queue", "Value of the Retry-After header on 429 answers, in seconds.")
+    request_timeout_s: float = _f(600.0, "gateway.queue", "Upper bound on one request's life at the gateway, in seconds.")
+
+    def validate(self) -> None:
+        _positive(self, "max_concurrency", prefix="gateway.")
+        if self.max_queue < 0:
+            raise ConfigError(f"gateway.max_queue must be >= 0, got {self.max_queue}")
+        if self.request_timeout_s <= 0:
+            raise ConfigError(f"gateway.request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole engine + gateway configuration. Immutable after construction."""
+
+    model: str = _f("", "model.forward", "Path to a Hugging Face-format checkpoint directory.")
+    dtype: str = _f("auto", "kernel.compute", "Weights and activations dtype: auto (checkpoint's), float32, bfloat16, float16.")
+    max_model_len: int = _f(0, "engine.queue", "Longest prompt + output in tokens; 0 means the model's max_position_embeddings.")
+    max_num_seqs: int = _f(64, "engine.queue", "Most requests running (scheduled) at once.")
+    max_num_batched_tokens: int = _f(2048, "engine.queue", "Token budget of one engine step (prefill chunks + decodes).")
+    enable_chunked_prefill: bool = _f(True, "engine.schedule", "Split long prefills into chunks that share steps with decodes.")
+    enable_prefix_caching: bool = _f(True, "engine.kv", "Reuse KV blocks of identical prompt prefixes (chained block hashes).")
+    block_size: int = _f(16, "engine.kv", "Tokens per KV-cache block.")
+    num_kv_blocks: int = _f(0, "engine.kv", "KV-cache blocks in the pool; 0 means derive from kv_cache_memory_bytes.")
+    kv_cache_memory_bytes: int = _f(256 * 1024 * 1024, "engine.kv", "Memory budget for the KV cache when num_kv_blocks is 0, in bytes.")
+    preemption_mode: str = _f("recompute", "engine.kv", "What preemption does to a victim's KV: recompute (free blocks, prefill again later).")
+    kernel_backend: str = _f("auto", "kernel.compute", "Kernel implementation: auto (triton on CUDA, torch on CPU), torch, triton.")
+    device: str = _f("auto", "hardware", "Device: auto (cuda when available), cpu, cuda.")
+    tp_size: int = _f(1, "parallel.collective", "Tensor-parallel ranks.")
+    tp_timeout_s: float = _f(60.0, "parallel.collective", "A TP worker that does not answer within this many seconds is an error.")
+    seed: int = _f(0, "model.forward", "Seed of the engine's default random generator (per-request seeds override it).")
+    num_threads: int = _f(0, "kernel.compute", "torch intra-op threads on CPU; 0 leaves torch's default.")
+    layer_timing_interval: int = _f(16, "model.forward", "Time each layer's forward on every Nth step (probes); 0 disables.")
+    router_policy: str = _f("round_robin", "gateway.route", "Replica choice: round_robin, least_loaded, prefix_affinity.")
+    gateway: GatewayConfig = field(default_factory=GatewayConfig, metadata={"layer": "gateway.queue", "doc": "Gateway settings."})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tp_size"):
+            _positive(self, name)
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "num_threads", "layer_timing_interval", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        _choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
+        _choice(self, "preemption_mode", ("recompute",))
+        _choice(self, "kernel_backend", ("auto", "torch", "triton"))
+        _choice(self, "device", ("auto", "cpu", "cuda"))
+        _choice(self, "router_policy", ("round_robin", "least_loaded", "prefix_affinity"))
+        if self.tp_timeout_s <= 0:
+            raise ConfigError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if not isinstance(self.gateway, GatewayConfig):
+            raise ConfigError("gateway must be a GatewayConfig")
+        self.gateway.validate()
+
+    # ---- construction from strings / dicts -------------------------------------------
+    @classmethod
+    def from_overrides(cls, base: "EngineConfig | None" = None, **overrides: Any) -> "EngineConfig":
+        """Return a config with ``overrides`` applied (keys may be ``gateway.x``).
+
+        Unknown keys raise ConfigError naming the key and the known ones.
+        """
+        base = base or cls()
+        top: dict[str, Any] = {}
+        gw: dict[str, Any] = {}
+        known = {f.name: f for f in fields(cls)}
+        gw_known = {f.name: f for f in fields(GatewayConfig)}
+        for key, value in overrides.items():
+            if key.startswith("gateway."):
+                sub = key.split(".", 1)[1]
+                if sub not in gw_known:
+                    raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(config_keys()))}")
+                gw[sub] = _coerce(gw_known[sub], value, key)
+            elif key in known and key != "gateway":
+                top[key] = _coerce(known[key], value, key)
+            else:
+                raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(config_keys()))}")
+        if gw:
+            top["gateway"] = dataclasses.replace(base.gateway, **gw)
+        return dataclasses.replace(base, **top)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":
+        flat = dict(data)
+        gw = flat.pop("gateway", {}) or {}
+        flat.update({f"gateway.{k}": v for k, v in gw.items()})
+        return cls.from_overrides(**flat)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def parse_set_args(items: list[str] | None) -> dict[str, str]:
+    """Parse ``--set KEY=VALUE`` items into a dict (values still strings)."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def config_keys() -> dict[str, dict[str, str]]:
+    """Every config key (``gateway.x`` for gateway keys) with its layer and doc."""
+    out: dict[str, dict[str, str]] = {}
+    for f in fields(EngineConfig):
+        if f.name == "gateway":
+            continue
+        out[f.name] = {"layer": f.metadata["layer"], "doc": f.metadata["doc"]}
+    for f in fields(GatewayConfig):
+        out[f"gateway.{f.name}"] = {"layer": f.metadata["layer"], "doc": f.metadata["doc"]}
+    return out
+
+
+def flatten_config(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Flatten a config dict (as in a manifest) to ``key -> value`` with ``gateway.x`` keys."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            for k2, v2 in flatten_config(v).items():
+                out[f"{k}.{k2}"] = v2
+        else:
+            out[k] = v
+    return out
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Values the engine derives at start-up; recorded beside the config in the manifest."""
+
+    architecture: str
+    dtype: str
+    device: str
+    kernel_backend: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    kv_cache_bytes: int
+    num_parameters: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _positive(obj: Any, name: str, prefix: str = "") -> None:
+    value = getattr(obj, name)
+    if value <= 0:
+        raise ConfigError(f"{prefix}{name} must be > 0, got {value}")
+
+
+def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _coerce(f: dataclasses.Field, value: Any, key: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if typ == "bool":
+            low = value.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if typ == "int":
+            return int(value)
+        if typ == "float":
+            return float(value)
+    except ValueError:
+        raise ConfigError(f"config key {key!r} expects {typ}, got {value!r}") from None
+    return value

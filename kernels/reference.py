@@ -1,0 +1,152 @@
+"""Torch reference implementations of every kernel (the ``torch`` backend).
+
+These are the independent references the Triton kernels are tested against, and the
+engine's ops on CPU. Shapes are noted per argument; all functions are pure except
+``write_kv`` (in-place into the cache).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H], weight: [H] -> [T, H]. Computed in fp32 like HF's LlamaRMSNorm."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    var = xf.pow(2).mean(-1, keepdim=True)
+    xf = xf * torch.rsqrt(var + eps)
+    return weight * xf.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); x, residual: [T, H]."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding (Llama/Qwen convention).
+
+    q: [T, Hq, D], k: [T, Hk, D], positions: [T] int64,
+    cos_sin_cache: [max_pos, D] fp32, cos in [:, :D/2], sin in [:, D/2:].
+    """
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache.index_select(0, positions)
+    cos = torch.cat([cs[:, :half], cs[:, :half]], dim=-1).unsqueeze(1)  # [T, 1, D]
+    sin = torch.cat([cs[:, half:], cs[:, half:]], dim=-1).unsqueeze(1)
+    return _rope(q, cos, sin), _rope(k, cos, sin)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    # HF casts cos/sin to the activation dtype before multiplying
+    return x * cos.to(x.dtype) + rot * sin.to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] (gate | up) -> [T, I] = silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new keys/values into the paged cache (in place).
+
+    k, v: [T, Hk, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D];
+    slot_mapping: [T] int64, negative slots are skipped.
+    """
+    nb, bs, hk, d = k_cache.shape
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    k_cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, hk, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """cache: [num_blocks, block_size, Hk, D], block_table: [max_blocks] -> [seq_len, Hk, D]."""
+    bs = cache.shape[1]
+    nblocks = (seq_len + bs - 1) // bs
+    return cache[block_table[:nblocks].long()].flatten(0, 1)[:seq_len]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new tokens over the paged cache (cached prefix + themselves).
+
+    q: [Tq, Hq, D] packed by ``cu_seqlens_q`` [P+1]; block_tables: [P, max_blocks];
+    seq_lens: [P] (context length including the new tokens). Query j of sequence i sits
+    at absolute position seq_len_i - q_len_i + j and sees keys [0, that position].
+    Returns [Tq, Hq, D].
+    """
+    out = torch.empty_like(q)
+    hq = q.shape[1]
+    hk = k_cache.shape[2]
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for i in range(len(lens)):
+        s, e, seq_len = cu[i], cu[i + 1], lens[i]
+        q_len = e - s
+        k = gather_kv(k_cache, block_tables[i], seq_len)  # [L, Hk, D]
+        v = gather_kv(v_cache, block_tables[i], seq_len)
+        qi = q[s:e].transpose(0, 1)  # [Hq, q_len, D]
+        ki = k.transpose(0, 1).repeat_interleave(hq // hk, dim=0)  # [Hq, L, D]
+        vi = v.transpose(0, 1).repeat_interleave(hq // hk, dim=0)
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        else:
+            qpos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+            mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= qpos  # [q_len, L]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence over its paged context.
+
+    q: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B]. Returns [B, Hq, D].
+    Batched: gathers every sequence's blocks up to the longest, masks the padding.
+    """
+    b, hq, d = q.shape
+    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(seq_lens.max())
+    nblocks = (max_len + bs - 1) // bs
+    bt = block_tables[:, :nblocks].long()
+    k = k_cache[bt].view(b, nblocks * bs, hk, d)  # [B, L, Hk, D]
+    v = v_cache[bt].view(b, nblocks * bs, hk, d)
+    g = hq // hk
+    qg = q.view(b, hk, g, d)  # query heads grouped by their kv head
+    scores = torch.einsum("bhgd,blhd->bhgl", qg.float(), k.float()) * scale
+    valid = torch.arange(nblocks * bs, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+    return o.reshape(b, hq, d).to(q.dtype)
