@@ -9,6 +9,7 @@ the kernel that spent it. Backends: ``torch`` (reference ops, any device) and
 
 from __future__ import annotations
 
+import time
 from types import ModuleType
 from typing import Callable
 
@@ -48,20 +49,45 @@ def _named(name: str, fn: Callable) -> Callable:
     return call
 
 
+def _spin(ns: int) -> None:
+    end = time.perf_counter_ns() + ns
+    while time.perf_counter_ns() < end:
+        pass
+
+
+def _faulty(fn: Callable, slowdown: float, launch_gap_ns: int) -> Callable:
+    """Injected kernel faults: idle host time before each op, and each op stretched."""
+
+    def call(*args, **kwargs):
+        if launch_gap_ns:
+            _spin(launch_gap_ns)
+        t0 = time.perf_counter_ns()
+        out = fn(*args, **kwargs)
+        if slowdown > 1.0:
+            _spin(int((time.perf_counter_ns() - t0) * (slowdown - 1.0)))
+        return out
+
+    return call
+
+
 class KernelOps:
     """One attribute per kernel name; each call is wrapped in ``record_function``."""
 
-    def __init__(self, backend: str, module: ModuleType):
+    def __init__(self, backend: str, module: ModuleType, slowdown: float = 1.0, launch_gap_us: float = 0.0):
         self.backend = backend
         for name in KERNEL_NAMES:
-            setattr(self, name, _named(name, getattr(module, name)))
+            fn = getattr(module, name)
+            if slowdown > 1.0 or launch_gap_us > 0:
+                fn = _faulty(fn, slowdown, int(launch_gap_us * 1000))
+            setattr(self, name, _named(name, fn))
 
 
-def get_kernel_ops(backend: str) -> KernelOps:
+def get_kernel_ops(backend: str, slowdown: float = 1.0, launch_gap_us: float = 0.0) -> KernelOps:
+    """The ops of one backend; ``slowdown``/``launch_gap_us`` inject kernel faults."""
     if backend == "torch":
-        return KernelOps("torch", reference)
+        return KernelOps("torch", reference, slowdown, launch_gap_us)
     if backend == "triton":
         from layerscope.kernels import triton_ops  # imported lazily: triton may be absent
 
-        return KernelOps("triton", triton_ops)
+        return KernelOps("triton", triton_ops, slowdown, launch_gap_us)
     raise ValueError(f"unknown kernel backend {backend!r}; choose torch or triton")

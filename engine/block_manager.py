@@ -1,0 +1,187 @@
+"""Paged KV-cache block manager: reference counts, a free queue, prefix caching.
+
+No torch here: blocks are integers, so every invariant is testable on plain data.
+
+Prefix caching uses chained block hashes: the hash of a full block is
+``hash((parent_hash, *token_ids))``. Only blocks whose KV has been computed are hashed
+(``cache_blocks`` after each step). A lookup checks the stored tokens too (the
+token-equality guard), so a hash collision can never serve the wrong KV.
+
+Freed blocks keep their hash and stay reusable until they are handed out again.
+The free queue is LRU: allocation takes from the front, frees append at the back, a
+request's blocks in reverse order so its tail is evicted before its shared prefix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+from layerscope.engine.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    return hash((parent_hash, *token_ids))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        # prefix-cache statistics, in tokens (vLLM counts queries and hits in tokens)
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    # ---- sizes ----
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ----
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of the request's tokens: (block ids, number of tokens).
+
+        At least one token is always left to compute, so the step yields logits.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // bs
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range(max_blocks):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = hash_block(parent, chunk)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+            parent = h
+        self.num_prefix_queries += len(tokens)
+        self.num_prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Hash the request's full blocks whose KV is now computed."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(num_computed_tokens // bs, len(request.block_ids))
+        for i in range(len(request.block_hashes), num_full):
+            parent = request.block_hashes[i - 1] if i else None
+            chunk = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            h = hash_block(parent, chunk)
+            request.block_hashes.append(h)
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is None and h not in self.hash_to_block:
+                block.block_hash = h
+                block.token_ids = chunk
+                self.hash_to_block[h] = block.block_id
+
+    # ---- allocation ----
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        ``new_computed_blocks`` are prefix-cache hits to adopt (first allocation only).
+        Returns the newly allocated block ids, or None when the pool cannot fit them
+        (nothing is changed then).
+        """
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = self.num_blocks_for(num_computed + num_new_tokens)
+        num_new_blocks = num_required - len(request.block_ids) - len(new_computed_blocks)
+        # adopting a cached block that no one holds takes it out of the free queue
+        num_evictable_hits = sum(1 for b in new_computed_blocks if self.blocks[b].ref_count == 0)
+        if max(num_new_blocks, 0) + num_evictable_hits > self.num_free_blocks:
+            return None
+        for block_id in new_computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_queue[block_id]
+            block.ref_count += 1
+            request.block_ids.append(block_id)
+        new_ids = [self._take_free_block() for _ in range(max(num_new_blocks, 0))]
+        request.block_ids.extend(new_ids)
+        return new_ids
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict its cached content
+            if self.hash_to_block.get(block.block_hash) == block_id:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds (tail first) and forget its table."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed twice (request {request.request_id})")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_queue[block_id] = None
+        request.block_ids = []
+        request.block_hashes = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached content of blocks no one holds."""
+        for block_id in self.free_block_queue:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self.hash_to_block.pop(block.block_hash, None)
+                block.block_hash = None
+                block.token_ids = ()
+
+    def check_invariants(self, requests: Sequence[Request] = ()) -> None:
+        """Raise AssertionError if the pool's bookkeeping is inconsistent (used by tests)."""
+        held: dict[int, int] = {}
+        for r in requests:
+            for b in r.block_ids:
+                held[b] = held.get(b, 0) + 1
+        for block in self.blocks:
+            in_free = block.block_id in self.free_block_queue
+            if in_free != (block.ref_count == 0):
+                raise AssertionError(f"{block}: in free queue={in_free} but ref_count={block.ref_count}")
+            if block.ref_count < 0:
+                raise AssertionError(f"{block}: negative ref count")
+            if requests and held.get(block.block_id, 0) != block.ref_count:
+                raise AssertionError(f"{block}: held by {held.get(block.block_id, 0)} requests")
+        used = sum(1 for b in self.blocks if b.ref_count > 0)
+        if used + self.num_free_blocks != self.num_blocks:
+            raise AssertionError(f"free {self.num_free_blocks} + used {used} != total {self.num_blocks}")
+        for h, block_id in self.hash_to_block.items():
+            if self.blocks[block_id].block_hash != h:
+                raise AssertionError(f"hash map points at {self.blocks[block_id]} for hash {h}")

@@ -1,0 +1,304 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs back.
+
+The step: schedule (host) -> execute (prepare inputs, forward, sample) -> update
+(advance computed counts, append tokens, finish) -> output (detokenize, stop strings).
+Each phase is timed for the recorder; request lifecycle events are drained from the
+requests the step touched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+
+from layerscope.engine.block_manager import BlockManager
+from layerscope.engine.config import ConfigError, EngineConfig, ResolvedConfig
+from layerscope.engine.faults import Faults
+from layerscope.engine.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_block
+from layerscope.engine.models.loader import DTYPES, load_model, load_spec
+from layerscope.engine.outputs import RequestOutput
+from layerscope.engine.parallel.context import ParallelContext
+from layerscope.engine.recorder import Recorder, StepRecord
+from layerscope.engine.request import Request, RequestStatus
+from layerscope.engine.sampling_params import InvalidRequestError, SamplingParams
+from layerscope.engine.scheduler import Scheduler
+from layerscope.engine.tokenizer import Detokenizer, load_tokenizer
+from layerscope.kernels import get_kernel_ops, resolve_backend
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, recorder: Recorder | None = None, faults: Faults | None = None):
+        if not config.model:
+            raise ConfigError("model is required (a Hugging Face-format checkpoint directory)")
+        self.config = config
+        self.recorder = recorder or Recorder()
+        self.faults = faults or Faults()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
+                              ("cpu" if config.device == "auto" else config.device))
+        spec = load_spec(config.model)
+        dtype_name = spec.torch_dtype if config.dtype == "auto" else config.dtype
+        if dtype_name not in DTYPES:
+            dtype_name = "float32"
+        dtype = DTYPES[dtype_name]
+        backend = resolve_backend(config.kernel_backend, device)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_id = self.tokenizer.eos_token_id
+
+        block_size = config.block_size
+        kv_heads_per_rank = spec.num_kv_heads // config.tp_size if spec.num_kv_heads % config.tp_size == 0 else 0
+        if not kv_heads_per_rank:
+            raise ConfigError(f"tp_size={config.tp_size} does not divide num_key_value_heads={spec.num_kv_heads}")
+        per_block = kv_cache_bytes_per_block(spec, block_size, kv_heads_per_rank, dtype)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // per_block)
+        max_model_len = config.max_model_len or spec.max_position_embeddings
+        if max_model_len > spec.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{spec.max_position_embeddings}"
+            )
+        # one request must always fit the pool on its own, or preemption could livelock
+        max_model_len = min(max_model_len, num_blocks * block_size)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
+                f">= max_model_len ({max_model_len}) so every prefill fits one step"
+            )
+        self.max_model_len = max_model_len
+
+        ops = get_kernel_ops(backend, self.faults.kernel_slowdown, self.faults.kernel_launch_gap_us)
+        if config.tp_size > 1:
+            from layerscope.engine.parallel.executor import TPExecutor
+
+            self.executor = TPExecutor(config, spec, dtype, device, backend, num_blocks, max_model_len,
+                                       self.faults, self.recorder)
+            num_params = self.executor.num_parameters
+        else:
+            model = load_model(config.model, spec, dtype, ParallelContext(), ops, max_model_len, device)
+            kv = allocate_kv_cache(spec, num_blocks, block_size, kv_heads_per_rank, dtype, device)
+            self.executor = ModelRunner(model, kv, block_size, device, config.seed, self.faults.layer_delays_s)
+            num_params = sum(p.numel() for p in model.parameters())
+
+        self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            config.enable_chunked_prefill,
+        )
+        self.resolved = ResolvedConfig(
+            architecture=spec.architecture,
+            dtype=dtype_name,
+            device=str(device),
+            kernel_backend=backend,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_blocks,
+            block_size=block_size,
+            num_layers=spec.num_layers,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            hidden_size=spec.hidden_size,
+            vocab_size=spec.vocab_size,
+            kv_cache_bytes=per_block * num_blocks * config.tp_size,
+            num_parameters=num_params,
+        )
+        self.spec = spec
+        self._detok: dict[str, Detokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._emitted: dict[str, int] = {}
+        self._ids = itertools.count()
+        self._step_overhead_s = self.faults.engine_step_overhead_ms / 1000.0
+        self._output_delay_s = self.faults.output_delay_ms / 1000.0
+
+    # ---- requests ----
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_ns: int | None = None,
+    ) -> str:
+        """Validate and queue one request; returns its id. Raises InvalidRequestError."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} outside the vocabulary [0, {self.spec.vocab_size})")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, but the maximum context length is {self.max_model_len} "
+                f"tokens (prompt plus at least one output token)"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests:
+            raise InvalidRequestError(f"duplicate request id {rid!r}")
+        req = Request(rid, ids, params, self.eos_token_id, arrival_ns)
+        self.scheduler.add_request(req)
+        self._detok[rid] = Detokenizer(self.tokenizer, params.stop)
+        self._prompts[rid] = text
+        self._emitted[rid] = 0
+        self.recorder.on_request_events(req, req.take_events())
+        return rid
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort wherever the request is; its KV blocks are freed at once."""
+        req = self.scheduler.abort_request(request_id)
+        if req is None:
+            return False
+        self.recorder.on_request_events(req, req.take_events())
+        self._release(req)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        bm, sched = self.block_manager, self.scheduler
+        t0 = time.monotonic_ns()
+        q0, h0, p0 = bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions
+        if self._step_overhead_s:
+            time.sleep(self._step_overhead_s)
+        out = sched.schedule()
+        t1 = time.monotonic_ns()
+        if out.is_empty:
+            return []
+        step_id = out.step_id
+        time_layers = self.recorder.should_time_layers(step_id)
+        with self.recorder.step_context(step_id):
+            runner_out = self.executor.execute_model(out, time_layers)
+        t2 = time.monotonic_ns()
+        updated = sched.update_from_output(out, runner_out)
+        outputs = [self._make_output(req) for req in updated]
+        if self._output_delay_s:
+            time.sleep(self._output_delay_s)
+        t3 = time.monotonic_ns()
+
+        prefills = [s for s in out.scheduled if s.is_prefill]
+        decodes = [s for s in out.scheduled if not s.is_prefill]
+        rec = self.recorder
+        if rec.enabled:
+            rec.on_step(
+                StepRecord(
+                    step_id=step_id,
+                    start_ns=t0,
+                    end_ns=t3,
+                    schedule_ns=t1 - t0,
+                    prepare_ns=runner_out.prepare_ns,
+                    forward_ns=runner_out.forward_ns,
+                    sample_ns=runner_out.sample_ns,
+                    output_ns=t3 - t2,
+                    num_prefill_seqs=len(prefills),
+                    num_prefill_tokens=sum(s.num_new_tokens for s in prefills),
+                    num_decode_seqs=len(decodes),
+                    num_decode_tokens=sum(s.num_new_tokens for s in decodes),
+                    num_running=sched.num_running,
+                    num_waiting=sched.num_waiting,
+                    num_kv_blocks_free=bm.num_free_blocks,
+                    num_kv_blocks_total=bm.num_blocks,
+                    num_preemptions=sched.num_preemptions - p0,
+                    num_prefix_queries=bm.num_prefix_queries - q0,
+                    num_prefix_hits=bm.num_prefix_hits - h0,
+                    request_ids=[s.request_id for s in out.scheduled],
+                    request_num_tokens=[s.num_new_tokens for s in out.scheduled],
+                ),
+                runner_out.layer_times,
+            )
+            if runner_out.collectives:
+                rec.on_collectives(runner_out.collectives)
+            for rid in itertools.chain(out.num_scheduled_tokens, out.preempted_ids):
+                req = sched.requests.get(rid)
+                if req is not None:
+                    rec.on_request_events(req, req.take_events())
+        for o in outputs:
+            if o.finished:
+                self._release(sched.requests[o.request_id])
+        return outputs
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        rid = req.request_id
+        detok = self._detok[rid]
+        new_id = req.output_token_ids[-1]
+        delta = detok.append(new_id)
+        if not req.is_finished:
+            cut = detok.find_stop(len(delta))
+            if cut is not None:
+                stop = next(s for s in req.sampling_params.stop if detok.text.startswith(s, cut))
+                detok.text = detok.text[:cut]
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop)
+        text = detok.text
+        new_text = text[self._emitted[rid] :]
+        self._emitted[rid] = len(text)
+        finished = req.is_finished
+        return RequestOutput(
+            request_id=rid,
+            prompt=self._prompts[rid],
+            prompt_token_ids=req.prompt_token_ids,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            finished=finished,
+            finish_reason=_FINISH_REASONS.get(req.status),
+            stop_reason=req.stop_reason,
+            new_token_ids=[new_id],
+            new_text=new_text,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            arrival_ns=req.arrival_ns,
+            first_token_ns=req.first_token_ns,
+            finished_ns=time.monotonic_ns() if finished else None,
+            num_preemptions=req.num_preemptions,
+        )
+
+    def _release(self, req: Request) -> None:
+        """Forget a finished request's engine-side state once it has been reported."""
+        rid = req.request_id
+        self.recorder.on_request_events(req, req.take_events())
+        self.recorder.on_request_finished(req)
+        self.scheduler.pop_finished(rid)
+        if hasattr(self.executor, "sampler"):
+            self.executor.sampler.forget(rid)
+        self._detok.pop(rid, None)
+        self._prompts.pop(rid, None)
+        self._emitted.pop(rid, None)
+
+    # ---- misc ----
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_kv_blocks_free": bm.num_free_blocks,
+            "num_kv_blocks_total": bm.num_blocks,
+            "kv_cache_usage": bm.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_prefix_queries": bm.num_prefix_queries,
+            "num_prefix_hits": bm.num_prefix_hits,
+        }
+
+    def shutdown(self) -> None:
+        if hasattr(self.executor, "shutdown"):
+            self.executor.shutdown()

@@ -1,0 +1,135 @@
+"""Tensor-parallel layers. Each owns its sharding (at load time) and its collective.
+
+Collectives live in three places only: RowParallelLinear (all-reduce),
+VocabParallelEmbedding (all-reduce) and ParallelLMHead (all-gather), so timing them
+is the one wrapper in ``comm.py``. With world_size 1 they are plain layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerscope.engine.parallel.context import ParallelContext
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows; output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, pctx: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        self.pctx = pctx
+        self.out_per_rank = pctx.shard(out_features, "out_features")
+        self.weight = _param(self.out_per_rank, in_features, dtype=dtype)
+        self.bias = _param(self.out_per_rank, dtype=dtype) if bias else None
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.out_per_rank
+        param.data.copy_(loaded.narrow(0, self.pctx.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections in one matmul (gate_proj | up_proj)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, pctx: ParallelContext, dtype: torch.dtype):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias, pctx, dtype)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        tp = self.pctx.world_size
+        shard = self.out_sizes[shard_id] // tp
+        offset = sum(self.out_sizes[:shard_id]) // tp
+        param.data.narrow(0, offset, shard).copy_(loaded.narrow(0, self.pctx.rank * shard, shard))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; heads split across ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        pctx: ParallelContext,
+        dtype: torch.dtype,
+    ):
+        self.head_dim = head_dim
+        self.num_heads = pctx.shard(num_heads, "num_attention_heads")
+        self.num_kv_heads = pctx.shard(num_kv_heads, "num_key_value_heads")
+        out = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, out, bias, pctx, dtype)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.pctx.rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) + b with W split by input columns."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, pctx: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        self.pctx = pctx
+        self.in_per_rank = pctx.shard(in_features, "in_features")
+        self.weight = _param(out_features, self.in_per_rank, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param is self.bias:
+            param.data.copy_(loaded)
+            return
+        n = self.in_per_rank
+        param.data.copy_(loaded.narrow(1, self.pctx.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.pctx.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks (the last shard padded with zero rows when the
+    vocabulary does not divide); ids outside a rank's range contribute zeros."""
+
+    def __init__(self, num_embeddings: int, dim: int, pctx: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        self.pctx = pctx
+        self.num_embeddings = num_embeddings
+        self.num_per_rank = -(-num_embeddings // pctx.world_size)
+        self.start = pctx.rank * self.num_per_rank
+        self.weight = _param(self.num_per_rank, dim, dtype=dtype)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = max(0, min(self.num_per_rank, self.num_embeddings - self.start))
+        param.data.zero_()
+        param.data[:n].copy_(loaded.narrow(0, self.start, n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.pctx.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        valid = (local >= 0) & (local < self.num_per_rank)
+        y = F.embedding(local.clamp(0, self.num_per_rank - 1), self.weight)
+        y = y * valid.unsqueeze(-1).to(y.dtype)
+        return self.pctx.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-split output projection; logits gathered to the full vocabulary."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = F.linear(hidden, self.weight)
+        if self.pctx.world_size == 1:
+            return logits
+        return self.pctx.all_gather(logits, dim=-1)[..., : self.num_embeddings]

@@ -1,0 +1,111 @@
+"""A request's state and lifecycle: status enum plus a timestamped event log.
+
+Timestamps are ``time.monotonic_ns()`` (one clock per host). Probes drain the event
+log through ``take_events``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from layerscope.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+
+class RequestEventType(enum.Enum):
+    ARRIVAL = "arrival"
+    QUEUED = "queued"
+    SCHEDULED = "scheduled"
+    FIRST_TOKEN = "first_token"
+    PREEMPTED = "preempted"
+    RESUMED = "resumed"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class RequestEvent:
+    type: RequestEventType
+    ts_ns: int
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+class Request:
+    """One generation request inside the engine (scheduler and block manager view)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_ns: int | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = -1  # prefix-cache hit on first schedule; -1 until then
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # tokens computed again after preemptions
+        self.block_ids: list[int] = []  # the block table
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, by position
+        self.stop_reason: int | str | None = None
+        self.arrival_ns = arrival_ns if arrival_ns is not None else time.monotonic_ns()
+        self.first_token_ns: int | None = None
+        self._events: list[RequestEvent] = []
+        self.record_event(RequestEventType.ARRIVAL, self.arrival_ns)
+
+    # ---- sizes ----
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    # ---- event log ----
+    def record_event(self, type: RequestEventType, ts_ns: int | None = None, **attrs: Any) -> None:
+        self._events.append(RequestEvent(type, ts_ns if ts_ns is not None else time.monotonic_ns(), attrs))
+
+    def take_events(self) -> list[RequestEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )

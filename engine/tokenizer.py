@@ -1,0 +1,57 @@
+"""Tokenizer loading and incremental detokenization for stop strings and streaming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from layerscope.engine.models.loader import CheckpointError
+
+
+def load_tokenizer(model_dir: str | Path):
+    """A transformers fast tokenizer from the model directory (offline)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - turn any loader failure into one clear error
+        raise CheckpointError(f"{model_dir}: cannot load tokenizer ({e})") from None
+
+
+class Detokenizer:
+    """Decodes a request's output ids incrementally; text is re-decoded over a short
+    window so multi-byte characters split across tokens come out whole."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.text = ""
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # ids before this are settled
+        self._read_offset = 0
+
+    def append(self, token_id: int) -> str:
+        """Add one token; returns the new text delta (may be empty while a character is partial)."""
+        self._ids.append(token_id)
+        prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+    def find_stop(self, delta_len: int) -> int | None:
+        """If a stop string appeared in the text (searching the new part), return the
+        index where the text must be cut."""
+        if not self.stop or not delta_len:
+            return None
+        longest = max(len(s) for s in self.stop)
+        start = max(0, len(self.text) - delta_len - longest + 1)
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best):
+                best = i
+        return best
