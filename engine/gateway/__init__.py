@@ -1,0 +1,1 @@
+"""layerscope.engine.gateway: OpenAI-compatible HTTP server, admission control, router."""

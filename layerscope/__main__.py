@@ -1,0 +1,5 @@
+import sys
+
+from layerscope.cli import main
+
+sys.exit(main())
