@@ -1,0 +1,204 @@
+"""The run bundle's schema: table names, columns, types and units (a contract).
+
+Everything downstream (diagnose, TUI, regressions, dashboards tests) reads bundles
+through these names. Units are in the column names: ``_ns`` timestamps on the host's
+monotonic clock (``time.monotonic_ns()``, shared by every process on one host),
+``_s`` durations in seconds, ``num_`` counts. A missing timestamp is null.
+
+Bump SCHEMA_VERSION on any incompatible change; readers refuse versions they don't know.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+BUNDLE_FORMAT = "layerscope.bundle"
+
+LAYERS = (
+    "client",
+    "gateway.queue",
+    "gateway.route",
+    "engine.queue",
+    "engine.schedule",
+    "engine.kv",
+    "model.forward",
+    "parallel.collective",
+    "kernel.compute",
+    "kernel.launch_gap",
+    "engine.output",
+    "hardware",
+    "workload",
+)
+
+# TTFT components, in request order; their sum plus ttft_residual_s equals ttft_s.
+TTFT_COMPONENTS = (
+    ("gateway.queue", "ttft_gateway_queue_s"),
+    ("gateway.route", "ttft_gateway_route_s"),
+    ("engine.queue", "ttft_engine_queue_s"),
+    ("engine.schedule", "ttft_engine_schedule_s"),
+    ("engine.kv", "ttft_engine_kv_s"),
+    ("model.forward", "ttft_model_forward_s"),
+    ("parallel.collective", "ttft_parallel_collective_s"),
+    ("engine.output", "ttft_engine_output_s"),
+)
+
+_ts = pa.int64()
+_s = pa.float64()
+_n = pa.int64()
+_str = pa.string()
+
+REQUESTS = pa.schema(
+    [
+        ("request_id", _str),
+        ("replica", _n),  # engine replica that served it (0 offline)
+        ("status", _str),  # finished_stopped | finished_length | finished_aborted | rejected | error
+        ("finish_reason", _str),  # stop | length | abort | null
+        ("error", _str),  # message when status is rejected/error
+        ("http_status", _n),  # served over HTTP: the status code; null offline
+        ("num_prompt_tokens", _n),
+        ("num_cached_tokens", _n),  # prompt tokens served from the prefix cache
+        ("num_output_tokens", _n),
+        ("num_preemptions", _n),
+        ("num_recomputed_tokens", _n),
+        ("num_steps", _n),  # engine steps it took part in
+        ("num_prefill_chunks", _n),
+        # lifecycle timestamps (ns, monotonic); null where a layer does not exist (offline: no gateway/client)
+        ("client_send_ns", _ts),
+        ("gateway_arrival_ns", _ts),
+        ("gateway_admitted_ns", _ts),
+        ("gateway_routed_ns", _ts),  # handed to the replica's IPC
+        ("engine_arrival_ns", _ts),
+        ("engine_scheduled_ns", _ts),  # first scheduled
+        ("engine_first_token_ns", _ts),
+        ("engine_finished_ns", _ts),
+        ("gateway_first_token_ns", _ts),  # first token written to the HTTP stream
+        ("gateway_finished_ns", _ts),
+        ("client_first_token_ns", _ts),
+        ("client_done_ns", _ts),
+        # server-side metrics (from gateway arrival; offline: from engine arrival)
+        ("ttft_s", _s),
+        ("tpot_s", _s),  # (e2e - ttft) / (output_tokens - 1); null when < 2 tokens
+        ("e2e_s", _s),
+        ("itl_mean_s", _s),  # per-token gaps (server side)
+        ("itl_max_s", _s),
+        # client-side metrics (null when no client)
+        ("client_ttft_s", _s),
+        ("client_tpot_s", _s),
+        ("client_e2e_s", _s),
+        # TTFT decomposition (see TTFT_COMPONENTS) + what none of them explains
+        *[(col, _s) for _, col in TTFT_COMPONENTS],
+        ("ttft_residual_s", _s),
+        # time spent preempted over the whole life (engine.kv), and queue time
+        ("preempted_s", _s),
+        ("trace_id", _str),  # OpenTelemetry trace id (hex) of this request
+    ]
+)
+
+STEPS = pa.schema(
+    [
+        ("step_id", _n),
+        ("replica", _n),
+        ("start_ns", _ts),
+        ("end_ns", _ts),
+        ("schedule_s", _s),
+        ("prepare_s", _s),
+        ("forward_s", _s),
+        ("sample_s", _s),
+        ("output_s", _s),
+        ("step_s", _s),
+        ("num_prefill_seqs", _n),
+        ("num_prefill_tokens", _n),
+        ("num_decode_seqs", _n),
+        ("num_decode_tokens", _n),
+        ("num_batched_tokens", _n),
+        ("num_running", _n),
+        ("num_waiting", _n),
+        ("num_kv_blocks_free", _n),
+        ("num_kv_blocks_total", _n),
+        ("num_preemptions", _n),
+        ("num_prefix_queries", _n),  # tokens
+        ("num_prefix_hits", _n),  # tokens
+        ("collective_s", _s),  # TP collective time inside this step's forward (rank 0)
+        ("request_ids", pa.list_(_str)),  # requests computed in this step
+        ("request_num_tokens", pa.list_(_n)),  # their tokens in this step
+    ]
+)
+
+LAYER_TIMES = pa.schema(
+    [
+        ("step_id", _n),
+        ("replica", _n),
+        ("name", _str),  # embed | layers.{i}.attn | layers.{i}.mlp | norm | lm_head | sampler
+        ("duration_s", _s),
+    ]
+)
+
+KERNELS = pa.schema(
+    [
+        ("window", _n),  # profiler window index
+        ("step_id", _n),  # engine step the event belongs to (null if outside a step)
+        ("replica", _n),
+        ("name", _str),
+        ("category", _str),  # compute | communication | memory
+        ("start_ns", _ts),  # profiler clock, comparable within a window
+        ("duration_s", _s),
+        ("gap_before_s", _s),  # idle since the previous op ended, within the same forward; null for the first
+    ]
+)
+
+COLLECTIVES = pa.schema(
+    [
+        ("step_id", _n),
+        ("replica", _n),
+        ("rank", _n),
+        ("op", _str),  # all_reduce | all_gather | broadcast
+        ("name", _str),  # issuing layer row
+        ("num_bytes", _n),
+        ("start_ns", _ts),
+        ("duration_s", _s),
+        ("wait_s", _s),  # waiting for the slowest rank
+    ]
+)
+
+SPANS = pa.schema(
+    [
+        ("trace_id", _str),
+        ("span_id", _str),
+        ("parent_span_id", _str),
+        ("name", _str),
+        ("layer", _str),  # one of LAYERS
+        ("request_id", _str),
+        ("start_ns", _ts),
+        ("end_ns", _ts),
+        ("attributes", _str),  # JSON object
+    ]
+)
+
+TABLES: dict[str, pa.Schema] = {
+    "requests": REQUESTS,
+    "steps": STEPS,
+    "layers": LAYER_TIMES,
+    "kernels": KERNELS,
+    "collectives": COLLECTIVES,
+    "spans": SPANS,
+}
+
+# manifest.json top-level keys (all required)
+MANIFEST_KEYS = (
+    "format",  # BUNDLE_FORMAT
+    "schema_version",
+    "run_id",
+    "command",  # argv list
+    "config",  # EngineConfig.to_dict(): every key, defaults included
+    "resolved",  # ResolvedConfig.to_dict() (per replica: list, or one dict)
+    "workload",  # spec dict incl. name and seed ({} for offline API runs without one)
+    "faults",  # Faults.to_dict(); diagnose must never read this
+    "versions",  # layerscope, git_rev, python, torch, triton, transformers
+    "hardware",  # cpu model, cores, memory_bytes, gpu (or null)
+    "probes",  # off | default | full
+    "start_ns",
+    "end_ns",
+    "start_time",  # ISO wall clock, informational
+    "summary",  # requests, duration_s, output_tokens_per_s, ttft/tpot/e2e p50/p90/p99 (+ counts)
+)
