@@ -280,7 +280,7 @@ def _tokenizer_files(tok, model_max_length: int) -> dict[str, Any]:
 
 
 # ---- config -------------------------------------------------------------------------------
-def _config_kwargs(arch: str, preset: str, vocab_size: int, dtype_name: str) -> dict[str, Any]:
+def _config_kwargs(arch: str, preset: str, vocab_size: int) -> dict[str, Any]:
     p = PRESETS[preset]
     tie = p["tie_word_embeddings"]
     if tie is None:
@@ -321,9 +321,10 @@ def hf_config(arch: str = "llama", preset: str = "tiny", vocab_size: int | None 
     from transformers import AutoConfig
 
     dtype_name = _dtype_name(dtype, preset)
-    kw = _config_kwargs(arch, preset, vocab_size or PRESETS[preset]["vocab_size"], dtype_name)
+    kw = _config_kwargs(arch, preset, vocab_size or PRESETS[preset]["vocab_size"])
     cfg = AutoConfig.for_model(ARCHS[arch]["model_type"], **kw)
     cfg.architectures = [ARCHS[arch]["architecture"]]
+    cfg.dtype = _DTYPES[dtype_name]
     return cfg
 
 
