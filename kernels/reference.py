@@ -136,6 +136,8 @@ def decode_attention(
     Batched: gathers every sequence's blocks up to the longest, masks the padding.
     """
     b, hq, d = q.shape
+    if b == 0:  # seq_lens.max() of an empty batch raises
+        return torch.empty_like(q)
     bs, hk = k_cache.shape[1], k_cache.shape[2]
     max_len = int(seq_lens.max())
     nblocks = (max_len + bs - 1) // bs

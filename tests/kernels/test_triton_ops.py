@@ -281,6 +281,7 @@ def test_empty_inputs_return_empty_without_launching():
     table = torch.zeros(0, 2, dtype=torch.int32)
     lens = torch.zeros(0, dtype=torch.int32)
     assert tri.decode_attention(empty_q, k_cache, v_cache, table, lens, 1.0).shape == (0, 4, d)
+    assert ref.decode_attention(empty_q, k_cache, v_cache, table, lens, 1.0).shape == (0, 4, d)
     cu = torch.zeros(1, dtype=torch.int32)
     assert tri.prefill_attention(empty_q, k_cache, v_cache, table, lens, cu, 1.0).shape == (0, 4, d)
     assert tri.rms_norm(torch.zeros(0, 8), torch.ones(8), 1e-6).shape == (0, 8)
