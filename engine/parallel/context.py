@@ -21,8 +21,9 @@ class ParallelContext:
             raise ValueError(f"{what}={size} is not divisible by tp_size={self.world_size}")
         return size // self.world_size
 
-    def all_reduce(self, x):
-        return x if self.comm is None else self.comm.all_reduce(x)
+    def all_reduce(self, x, name: str = ""):
+        """Sum over ranks; ``name`` is the layer row issuing it (for the collective records)."""
+        return x if self.comm is None else self.comm.all_reduce(x, name)
 
-    def all_gather(self, x, dim: int = -1):
-        return x if self.comm is None else self.comm.all_gather(x, dim)
+    def all_gather(self, x, dim: int = -1, name: str = ""):
+        return x if self.comm is None else self.comm.all_gather(x, dim, name)

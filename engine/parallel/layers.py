@@ -79,6 +79,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_shard W_shard^T) + b with W split by input columns."""
 
+    collective_name = ""  # the layer row issuing the all-reduce (comm.name_collectives sets it)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, pctx: ParallelContext, dtype: torch.dtype):
         super().__init__()
         self.pctx = pctx
@@ -94,13 +96,15 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.pctx.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.pctx.all_reduce(F.linear(x, self.weight))
+        y = self.pctx.all_reduce(F.linear(x, self.weight), self.collective_name)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split across ranks (the last shard padded with zero rows when the
     vocabulary does not divide); ids outside a rank's range contribute zeros."""
+
+    collective_name = ""  # the layer row issuing the collective (comm.name_collectives sets it)
 
     def __init__(self, num_embeddings: int, dim: int, pctx: ParallelContext, dtype: torch.dtype):
         super().__init__()
@@ -122,7 +126,7 @@ class VocabParallelEmbedding(nn.Module):
         valid = (local >= 0) & (local < self.num_per_rank)
         y = F.embedding(local.clamp(0, self.num_per_rank - 1), self.weight)
         y = y * valid.unsqueeze(-1).to(y.dtype)
-        return self.pctx.all_reduce(y)
+        return self.pctx.all_reduce(y, self.collective_name)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -132,4 +136,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight)
         if self.pctx.world_size == 1:
             return logits
-        return self.pctx.all_gather(logits, dim=-1)[..., : self.num_embeddings]
+        return self.pctx.all_gather(logits, -1, self.collective_name)[..., : self.num_embeddings]
