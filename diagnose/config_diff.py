@@ -1,0 +1,239 @@
+"""Config, version and environment diff between two runs (or two config files).
+
+Every key of the resolved engine + gateway config that differs is listed with both
+values, whether each side set it or took the version's default, and the layer it
+acts on. The key -> layer table below mirrors ``layerscope.engine.config.config_keys()``
+(a test checks they are equal): diagnose must not import the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import pandas as pd
+
+# key -> (layer it acts on, default); mirrors engine.config (checked by tests/diagnose)
+CONFIG_KEYS: dict[str, tuple[str, Any]] = {
+    "model": ("model.forward", ""),
+    "dtype": ("kernel.compute", "auto"),
+    "max_model_len": ("engine.queue", 0),
+    "max_num_seqs": ("engine.queue", 64),
+    "max_num_batched_tokens": ("engine.queue", 2048),
+    "enable_chunked_prefill": ("engine.schedule", True),
+    "enable_prefix_caching": ("engine.kv", True),
+    "block_size": ("engine.kv", 16),
+    "num_kv_blocks": ("engine.kv", 0),
+    "kv_cache_memory_bytes": ("engine.kv", 268435456),
+    "preemption_mode": ("engine.kv", "recompute"),
+    "kernel_backend": ("kernel.compute", "auto"),
+    "device": ("hardware", "auto"),
+    "tp_size": ("parallel.collective", 1),
+    "tp_timeout_s": ("parallel.collective", 60.0),
+    "seed": ("model.forward", 0),
+    "num_threads": ("kernel.compute", 0),
+    "layer_timing_interval": ("model.forward", 16),
+    "router_policy": ("gateway.route", "round_robin"),
+    "gateway.max_concurrency": ("gateway.queue", 64),
+    "gateway.max_queue": ("gateway.queue", 256),
+    "gateway.retry_after_s": ("gateway.queue", 1),
+    "gateway.request_timeout_s": ("gateway.queue", 600.0),
+}
+CONFIG_LAYERS: dict[str, str] = {k: v[0] for k, v in CONFIG_KEYS.items()}
+CONFIG_DEFAULTS: dict[str, Any] = {k: v[1] for k, v in CONFIG_KEYS.items()}
+
+# values the engine derives at start-up (manifest "resolved")
+RESOLVED_LAYERS: dict[str, str] = {
+    "dtype": "kernel.compute",
+    "device": "hardware",
+    "kernel_backend": "kernel.compute",
+    "max_model_len": "engine.queue",
+    "num_kv_blocks": "engine.kv",
+    "block_size": "engine.kv",
+    "kv_cache_bytes": "engine.kv",
+}
+RESOLVED_DEFAULT_LAYER = "model.forward"  # architecture, sizes, parameter counts
+
+# a change acting on one layer can move the time measured in these layers
+CAN_MOVE: dict[str, frozenset[str]] = {
+    "gateway.queue": frozenset({"gateway.queue"}),
+    "gateway.route": frozenset({"gateway.route", "engine.queue"}),
+    "engine.queue": frozenset({"engine.queue", "engine.kv", "engine.schedule", "model.forward"}),
+    "engine.schedule": frozenset({"engine.schedule", "engine.queue", "model.forward"}),
+    "engine.kv": frozenset({"engine.kv", "engine.queue", "model.forward"}),
+    "model.forward": frozenset({"model.forward", "kernel.compute", "kernel.launch_gap", "parallel.collective"}),
+    "parallel.collective": frozenset({"parallel.collective", "model.forward"}),
+    "kernel.compute": frozenset({"kernel.compute", "kernel.launch_gap", "model.forward", "hardware"}),
+    "kernel.launch_gap": frozenset({"kernel.launch_gap", "model.forward"}),
+    "engine.output": frozenset({"engine.output"}),
+    "hardware": frozenset({"hardware", "kernel.compute", "kernel.launch_gap", "model.forward",
+                           "engine.schedule", "parallel.collective", "engine.output"}),
+}
+VERSION_LAYERS = {"torch": "kernel.compute", "triton": "kernel.compute", "transformers": "model.forward"}
+
+DIFF_COLUMNS = ["kind", "key", "baseline", "candidate", "layer", "baseline_source", "candidate_source", "consistent"]
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"gateway": {"max_queue": 1}}`` -> ``{"gateway.max_queue": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def set_keys_from_command(argv: Iterable[str] | None) -> set[str]:
+    """Config keys a run's command line set explicitly (``--set K=V``, ``--tp``, ``--model``)."""
+    keys: set[str] = set()
+    args = list(argv or [])
+    for i, a in enumerate(args):
+        val = None
+        if a == "--set" and i + 1 < len(args):
+            val = args[i + 1]
+        elif a.startswith("--set="):
+            val = a[len("--set="):]
+        if val and "=" in val:
+            keys.add(val.split("=", 1)[0].strip())
+        if a in ("--tp",) or a.startswith("--tp="):
+            keys.add("tp_size")
+        if a in ("--model",) or a.startswith("--model="):
+            keys.add("model")
+    return keys
+
+
+def config_source(obj: Any) -> dict[str, Any]:
+    """Normalize a Run, a bundle directory, a manifest, or a config JSON/TOML file into
+    ``{name, config, resolved, versions, hardware, set_keys}`` (config flat, defaults filled)."""
+    from layerscope.diagnose.load import Run, RunError, load_run
+
+    if isinstance(obj, (str, Path)):
+        p = Path(obj)
+        if p.is_dir():
+            obj = load_run(p)
+        elif not p.exists():
+            raise RunError(f"{p}: no such run bundle or config file")
+        else:
+            try:
+                text = p.read_text()
+                data = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+            except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise RunError(f"{p}: not a config JSON/TOML file ({e})") from None
+            if not isinstance(data, dict):
+                raise RunError(f"{p}: a config file holds one object")
+            if "config" in data and "format" in data:  # a manifest.json
+                data.pop("faults", None)
+                return _from_manifest(data, str(p))
+            flat = flatten(data)
+            unknown = sorted(set(flat) - set(CONFIG_KEYS))
+            if unknown:
+                raise RunError(f"{p}: unknown config keys {', '.join(unknown)}")
+            return {"name": str(p), "config": {**CONFIG_DEFAULTS, **flat}, "resolved": {}, "versions": {},
+                    "hardware": {}, "set_keys": set(flat)}
+    if isinstance(obj, Run):
+        return _from_manifest(obj.manifest, obj.name)
+    if isinstance(obj, Mapping):
+        return _from_manifest(obj, str(obj.get("run_id", "")))
+    raise TypeError(f"cannot read a config from {type(obj).__name__}")
+
+
+def _from_manifest(m: Mapping[str, Any], name: str) -> dict[str, Any]:
+    resolved = m.get("resolved") or {}
+    if isinstance(resolved, list):  # per replica
+        flat_r: dict[str, Any] = {}
+        for i, r in enumerate(resolved):
+            for k, v in flatten(r).items():
+                flat_r[k if len(resolved) == 1 else f"replica{i}.{k}"] = v
+        resolved = flat_r
+    else:
+        resolved = flatten(resolved)
+    return {
+        "name": name,
+        "config": {**CONFIG_DEFAULTS, **flatten(m.get("config") or {})},
+        "resolved": resolved,
+        "versions": dict(m.get("versions") or {}),
+        "hardware": flatten(m.get("hardware") or {}),
+        "set_keys": set_keys_from_command(m.get("command")),
+    }
+
+
+def config_diff(a: Any, b: Any, changed_layers: Iterable[str] | None = None) -> pd.DataFrame:
+    """Every config/resolved/version/hardware value that differs between ``a`` and ``b``.
+
+    Columns: kind (config | resolved | version | hardware), key, baseline, candidate,
+    layer (the layer it acts on), baseline_source / candidate_source (set | default;
+    config keys only), consistent (True/False whether a measured change sits in a
+    layer this key can move; None when ``changed_layers`` is None or empty).
+    """
+    sa, sb = config_source(a), config_source(b)
+    rows: list[dict[str, Any]] = []
+    for kind in ("config", "resolved", "versions", "hardware"):
+        da, db = sa[kind], sb[kind]
+        for key in sorted(set(da) | set(db), key=_key_order):
+            va, vb = da.get(key), db.get(key)
+            if _same(va, vb):
+                continue
+            if kind == "config":
+                layer = CONFIG_LAYERS.get(key, "model.forward")
+                src_a = "set" if key in sa["set_keys"] else "default"
+                src_b = "set" if key in sb["set_keys"] else "default"
+            else:
+                src_a = src_b = None
+                if kind == "resolved":
+                    layer = RESOLVED_LAYERS.get(key.split(".")[-1], RESOLVED_DEFAULT_LAYER)
+                elif kind == "versions":
+                    layer = VERSION_LAYERS.get(key)  # None: a version change can move any layer
+                else:
+                    layer = "hardware"
+            rows.append({"kind": kind.rstrip("s") if kind == "versions" else kind, "key": key, "baseline": va,
+                         "candidate": vb, "layer": layer, "baseline_source": src_a, "candidate_source": src_b,
+                         "consistent": None})
+    df = pd.DataFrame(rows, columns=DIFF_COLUMNS)
+    if changed_layers is not None:
+        df = mark_consistency(df, changed_layers)
+    return df
+
+
+def mark_consistency(diff: pd.DataFrame, changed_layers: Iterable[str]) -> pd.DataFrame:
+    """Set ``consistent``: does any measured change sit in a layer this entry can move?"""
+    changed = set(changed_layers)
+    out = diff.copy()
+    if not changed:
+        out["consistent"] = None
+        return out
+    out["consistent"] = [can_move(layer, changed) for layer in out["layer"]]
+    return out
+
+
+def can_move(layer: str | None, changed: set[str]) -> bool:
+    if layer is None:  # a version change: anything
+        return True
+    return bool(CAN_MOVE.get(layer, frozenset({layer})) & changed)
+
+
+def diff_records(diff: pd.DataFrame) -> list[dict[str, Any]]:
+    """The diff as JSON-ready dicts (DESIGN.md's ``config_diff`` list)."""
+    return [{k: _jsonable(v) for k, v in row.items()} for row in diff.to_dict("records")]
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and v != v:
+        return None
+    if hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b
+
+
+def _key_order(key: str) -> tuple[int, str]:
+    order = list(CONFIG_KEYS)
+    return (order.index(key), key) if key in order else (len(order), key)

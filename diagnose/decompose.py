@@ -1,0 +1,294 @@
+"""Per-request latency decomposition into the layers of DESIGN.md's taxonomy.
+
+Each request's life is walked as a timeline on the run's monotonic clock:
+
+    gateway arrival -> admitted          gateway.queue
+    admitted -> engine arrival           gateway.route (router decision + IPC)
+    engine arrival -> first step start   engine.queue
+    inside each step it took part in     engine.schedule (schedule + prepare + host remainder),
+                                         model.forward (forward minus collectives, + sampler),
+                                         parallel.collective, engine.output (output phase);
+                                         a recompute step after a preemption: engine.kv
+    between two of its steps             engine.schedule when no other step ran in between (host
+                                         loop), engine.kv when the next step recomputes (it was
+                                         preempted), else engine.queue (not scheduled: a stall)
+    after its last step, to the end      engine.output (streaming back through the gateway)
+
+and the TTFT window [arrival, first token] and E2E window [arrival, last token] are
+clipped out of it. TPOT components are the decode window's (E2E - TTFT) divided by
+output_tokens - 1. Where the requests table carries recorded ``ttft_*`` components,
+those are used for TTFT. All durations in seconds; vectorised over memberships
+(one row per request per step), so 10,000 requests take well under a second.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from layerscope.diagnose.load import Run
+from layerscope.probes.schema import TTFT_COMPONENTS
+
+COMPONENTS: tuple[str, ...] = tuple(layer for layer, _ in TTFT_COMPONENTS)
+_IDX = {layer: i for i, layer in enumerate(COMPONENTS)}
+
+
+def col(metric: str, layer: str) -> str:
+    """Column name of ``layer``'s share of ``metric``: col("ttft", "engine.queue") -> "ttft_engine_queue_s"."""
+    return f"{metric}_{layer.replace('.', '_')}_s"
+
+
+def _sec(values: pd.Series | np.ndarray, origin: float) -> np.ndarray:
+    return (np.asarray(values, dtype=np.float64) - origin) / 1e9
+
+
+def step_frame(run: Run) -> pd.DataFrame:
+    """Steps with times in seconds from the run origin and phase boundaries.
+
+    Columns added: t_start_s, t_end_s, b1..b5 (ends of schedule, prepare, forward,
+    sample, output), collective_frac (share of forward in collectives), seq (step order
+    within its replica), host_s (schedule + prepare + unaccounted remainder).
+    """
+    s = run.steps
+    origin = _origin(run)
+    out = pd.DataFrame(index=s.index)
+    out["t_start_s"] = _sec(s["start_ns"], origin)
+    phases = [np.nan_to_num(s[c].to_numpy(np.float64)) for c in ("schedule_s", "prepare_s", "forward_s", "sample_s",
+                                                                   "output_s")]
+    b = out["t_start_s"].to_numpy()
+    for i, ph in enumerate(phases, start=1):
+        b = b + ph
+        out[f"b{i}"] = b
+    out["t_end_s"] = np.maximum(_sec(s["end_ns"], origin), b)
+    fwd = phases[2]
+    coll = np.nan_to_num(s["collective_s"].to_numpy(np.float64))
+    out["collective_frac"] = np.where(fwd > 0, np.clip(coll / np.where(fwd > 0, fwd, 1), 0, 1), 0.0)
+    order = np.lexsort((out["t_start_s"].to_numpy(), np.nan_to_num(s["replica"].to_numpy(np.float64))))
+    seq = np.empty(len(s), np.int64)
+    rep = np.nan_to_num(s["replica"].to_numpy(np.float64))[order]
+    first = np.r_[True, rep[1:] != rep[:-1]] if len(order) else np.zeros(0, bool)
+    ranks = np.arange(len(order)) - np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+    seq[order] = ranks
+    out["seq"] = seq
+    out["host_s"] = phases[0] + phases[1] + (out["t_end_s"].to_numpy() - b)
+    return out
+
+
+def _origin(run: Run) -> float:
+    r = run.requests
+    cands = [r[c].min() for c in ("gateway_arrival_ns", "engine_arrival_ns") if c in r and r[c].notna().any()]
+    if len(run.steps):
+        cands.append(run.steps["start_ns"].min())
+    return float(min(cands)) if cands else 0.0
+
+
+def request_breakdown(run: Run) -> pd.DataFrame:
+    """One row per request: metrics and their per-layer components (seconds).
+
+    Columns: request_id, replica, status, num_prompt_tokens, num_cached_tokens,
+    num_output_tokens, num_preemptions, ttft_s, tpot_s, e2e_s, client_s (client-observed
+    TTFT minus server TTFT), then for metric in ttft/e2e/tpot: one ``{metric}_{layer}_s``
+    per layer in COMPONENTS and ``{metric}_residual_s``; ttft_recorded (bool: the TTFT
+    components come from the requests table), dominant_layer (largest E2E component).
+    """
+    r = run.requests
+    n = len(r)
+    origin = _origin(run)
+    gw_arr = _sec(r["gateway_arrival_ns"], origin)
+    gw_adm = _sec(r["gateway_admitted_ns"], origin)
+    en_arr = _sec(r["engine_arrival_ns"], origin)
+    start = np.where(np.isnan(gw_arr), en_arr, gw_arr)
+    ttft = r["ttft_s"].to_numpy(np.float64)
+    e2e = r["e2e_s"].to_numpy(np.float64)
+    first_tok_engine = _sec(r["engine_first_token_ns"], origin)
+    first_tok_engine = np.where(np.isnan(first_tok_engine), start + ttft, first_tok_engine)
+
+    st = step_frame(run)
+    m = run.memberships
+    m = m[m["request_row"].to_numpy() >= 0]
+    ri = m["request_row"].to_numpy()
+    si = m["step_row"].to_numpy()
+    t0 = st["t_start_s"].to_numpy()[si]
+    order = np.lexsort((t0, ri))
+    ri, si, t0 = ri[order], si[order], t0[order]
+    ntok = m["num_tokens"].to_numpy()[order]
+    same_next = np.r_[ri[1:] == ri[:-1], False]
+    nxt = np.minimum(np.arange(len(ri)) + 1, max(len(ri) - 1, 0))  # index of the next membership
+    next_start = np.where(same_next, t0[nxt], np.inf)
+    seq = st["seq"].to_numpy()[si]
+    skipped = np.where(same_next, seq[nxt] - seq - 1, 0)
+    recompute = (t0 >= first_tok_engine[ri]) & (ntok > 1)
+    next_recompute = np.where(same_next, recompute[nxt], False)
+    first_start = np.full(n, np.nan)
+    if len(ri):
+        firsts = np.r_[True, ri[1:] != ri[:-1]]
+        first_start[ri[firsts]] = t0[firsts]
+    bounds = {k: st[k].to_numpy()[si] for k in ("b1", "b2", "b3", "b4", "b5", "t_end_s")}
+    cfrac = st["collective_frac"].to_numpy()[si]
+    mem = dict(ri=ri, t0=t0, next_start=next_start, skipped=skipped, recompute=recompute,
+               next_recompute=next_recompute, cfrac=cfrac, **bounds)
+    pre = dict(gw_arr=gw_arr, gw_adm=gw_adm, en_arr=en_arr, start=start, first_start=first_start)
+
+    out = pd.DataFrame({
+        "request_id": r["request_id"].to_numpy(), "replica": r["replica"].to_numpy(), "status": r["status"].to_numpy(),
+        "num_prompt_tokens": r["num_prompt_tokens"].to_numpy(), "num_cached_tokens": r["num_cached_tokens"].to_numpy(),
+        "num_output_tokens": r["num_output_tokens"].to_numpy(), "num_preemptions": r["num_preemptions"].to_numpy(),
+        "ttft_s": ttft, "tpot_s": r["tpot_s"].to_numpy(np.float64), "e2e_s": e2e,
+        "client_s": r["client_ttft_s"].to_numpy(np.float64) - ttft,
+    })
+    ttft_c = _window(n, pre, mem, start, start + ttft)
+    e2e_c = _window(n, pre, mem, start, start + e2e)
+    decode_c = e2e_c - ttft_c
+    recorded_cols = [c for _, c in TTFT_COMPONENTS] + ["ttft_residual_s"]
+    rec = r[recorded_cols].to_numpy(np.float64)
+    has_rec = ~np.isnan(rec).any(axis=1)
+    ttft_rows = np.c_[ttft_c, ttft - ttft_c.sum(axis=1)]
+    ttft_rows[has_rec] = rec[has_rec]
+    denom = r["num_output_tokens"].to_numpy(np.float64) - 1
+    denom = np.where(denom > 0, denom, np.nan)
+    tpot = r["tpot_s"].to_numpy(np.float64)
+    tpot_c = decode_c / denom[:, None]
+    cols = {}
+    for j, layer in enumerate(COMPONENTS):
+        cols[col("ttft", layer)] = ttft_rows[:, j]
+    cols["ttft_residual_s"] = ttft_rows[:, -1]
+    for j, layer in enumerate(COMPONENTS):
+        cols[col("e2e", layer)] = e2e_c[:, j]
+    cols["e2e_residual_s"] = e2e - e2e_c.sum(axis=1)
+    for j, layer in enumerate(COMPONENTS):
+        cols[col("tpot", layer)] = tpot_c[:, j]
+    cols["tpot_residual_s"] = tpot - tpot_c.sum(axis=1)
+    out = pd.concat([out, pd.DataFrame(cols)], axis=1)
+    out["ttft_recorded"] = has_rec
+    dom = np.nan_to_num(e2e_c, nan=-1.0).argmax(axis=1)
+    out["dominant_layer"] = np.where(np.isnan(e2e), None, np.asarray(COMPONENTS, dtype=object)[dom])
+    return out
+
+
+def _window(n: int, pre: dict, mem: dict, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Seconds per component of each request's window [a, b]; shape [n, len(COMPONENTS)]."""
+    comps = np.zeros((n, len(COMPONENTS)))
+
+    def ov(x0, x1, lo, hi):
+        return np.nan_to_num(np.clip(np.minimum(x1, hi) - np.maximum(x0, lo), 0.0, None))
+
+    has_gw = ~np.isnan(pre["gw_arr"]) & ~np.isnan(pre["gw_adm"])
+    comps[:, _IDX["gateway.queue"]] += np.where(has_gw, ov(pre["gw_arr"], pre["gw_adm"], a, b), 0.0)
+    comps[:, _IDX["gateway.route"]] += np.where(has_gw, ov(pre["gw_adm"], pre["en_arr"], a, b), 0.0)
+    # never reached the engine (rejected at the gateway): all of it is gateway.queue
+    comps[:, _IDX["gateway.queue"]] += np.where(np.isnan(pre["en_arr"]), ov(pre["start"], b, a, b), 0.0)
+    queue_end = np.where(np.isnan(pre["first_start"]), b, pre["first_start"])
+    comps[:, _IDX["engine.queue"]] += ov(pre["en_arr"], queue_end, a, b)
+
+    ri = mem["ri"]
+    if not len(ri):
+        return comps
+    lo, hi = a[ri], b[ri]
+    t0, b1, b2, b3, b4, b5, end = (mem[k] for k in ("t0", "b1", "b2", "b3", "b4", "b5", "t_end_s"))
+    host = ov(t0, b1, lo, hi) + ov(b1, b2, lo, hi) + ov(b5, end, lo, hi)
+    fwd = ov(b2, b3, lo, hi)
+    samp = ov(b3, b4, lo, hi)
+    outp = ov(b4, b5, lo, hi)
+    rc = mem["recompute"]
+    cf = mem["cfrac"]
+    parts = {
+        "engine.schedule": np.where(rc, 0.0, host),
+        "model.forward": np.where(rc, 0.0, fwd * (1 - cf) + samp),
+        "parallel.collective": np.where(rc, 0.0, fwd * cf),
+        "engine.output": np.where(rc, 0.0, outp),
+        "engine.kv": np.where(rc, host + fwd + samp + outp, 0.0),
+    }
+    gap = ov(end, mem["next_start"], lo, hi)
+    trailing = mem["next_start"] >= hi
+    parts["engine.output"] = parts["engine.output"] + np.where(trailing, gap, 0.0)
+    inner = ~trailing
+    parts["engine.schedule"] = parts["engine.schedule"] + np.where(inner & (mem["skipped"] <= 0), gap, 0.0)
+    stalled = inner & (mem["skipped"] > 0)
+    parts["engine.kv"] = parts["engine.kv"] + np.where(stalled & mem["next_recompute"], gap, 0.0)
+    parts["engine.queue"] = np.where(stalled & ~mem["next_recompute"], gap, 0.0)
+    for layer, v in parts.items():
+        comps[:, _IDX[layer]] += np.bincount(ri, weights=v, minlength=n)
+    return comps
+
+
+def time_shares(breakdown: pd.DataFrame, metric: str = "e2e") -> pd.DataFrame:
+    """Where the time goes: per layer, total seconds over all requests and share of the total.
+
+    Columns: layer, total_s, share. Includes ``client`` when client timings exist and a
+    ``residual`` row.
+    """
+    rows = [(layer, float(np.nansum(breakdown[col(metric, layer)]))) for layer in COMPONENTS]
+    rows.append(("residual", float(np.nansum(breakdown[f"{metric}_residual_s"]))))
+    if metric == "ttft" and breakdown["client_s"].notna().any():
+        rows.insert(0, ("client", float(np.nansum(breakdown["client_s"]))))
+    df = pd.DataFrame(rows, columns=["layer", "total_s"])
+    total = df["total_s"].sum()
+    df["share"] = df["total_s"] / total if total > 0 else 0.0
+    return df
+
+
+def tpot_breakdown(run: Run, breakdown: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Decode-phase composition per request (seconds per output token after the first).
+
+    Columns: request_id, tpot_s, num_decode_steps, num_mixed_steps (decode steps that also
+    carried prefill chunks), mean_batch_seqs, tpot_step_s (its decode steps' time),
+    tpot_prefill_interference_s (the prefill-token share of those steps' time),
+    tpot_stall_s (engine.queue + engine.kv in the decode window: not scheduled/preempted).
+    """
+    bd = breakdown if breakdown is not None else request_breakdown(run)
+    m = run.memberships
+    m = m[m["request_row"].to_numpy() >= 0]
+    s = run.steps
+    origin = _origin(run)
+    t0 = _sec(s["start_ns"], origin)[m["step_row"].to_numpy()]
+    ri = m["request_row"].to_numpy()
+    r = run.requests
+    arr = _sec(np.where(r["gateway_arrival_ns"].isna(), r["engine_arrival_ns"], r["gateway_arrival_ns"]), origin)
+    first = np.where(r["engine_first_token_ns"].isna(), arr + bd["ttft_s"].to_numpy(),
+                     _sec(r["engine_first_token_ns"], origin))
+    is_decode = (t0 >= first[ri]) & (m["num_tokens"].to_numpy() == 1)
+    si = m["step_row"].to_numpy()[is_decode]
+    rd = ri[is_decode]
+    step_s = np.nan_to_num(s["step_s"].to_numpy(np.float64))[si]
+    ptok = np.nan_to_num(s["num_prefill_tokens"].to_numpy(np.float64))[si]
+    btok = np.nan_to_num(s["num_batched_tokens"].to_numpy(np.float64))[si]
+    seqs = np.nan_to_num((s["num_prefill_seqs"] + s["num_decode_seqs"]).to_numpy(np.float64))[si]
+    n = len(bd)
+    cnt = np.bincount(rd, minlength=n).astype(float)
+    mixed = np.bincount(rd, weights=(ptok > 0).astype(float), minlength=n)
+    denom = np.where(bd["num_output_tokens"].to_numpy(np.float64) > 1, bd["num_output_tokens"].to_numpy(np.float64) - 1,
+                     np.nan)
+    interference = np.bincount(rd, weights=step_s * np.where(btok > 0, ptok / np.where(btok > 0, btok, 1), 0),
+                               minlength=n)
+    return pd.DataFrame({
+        "request_id": bd["request_id"].to_numpy(),
+        "tpot_s": bd["tpot_s"].to_numpy(),
+        "num_decode_steps": cnt.astype(np.int64),
+        "num_mixed_steps": mixed.astype(np.int64),
+        "mean_batch_seqs": np.bincount(rd, weights=seqs, minlength=n) / np.where(cnt > 0, cnt, np.nan),
+        "tpot_step_s": np.bincount(rd, weights=step_s, minlength=n) / denom,
+        "tpot_prefill_interference_s": interference / denom,
+        "tpot_stall_s": (bd[col("tpot", "engine.queue")] + bd[col("tpot", "engine.kv")]).to_numpy(),
+    })
+
+
+def step_composition(run: Run) -> pd.DataFrame:
+    """Step time by batch composition (prefill_only | mixed | decode_only).
+
+    Columns: kind, num_steps, step_s_mean, schedule_s_mean, forward_s_mean, output_s_mean,
+    num_batched_tokens_mean, num_seqs_mean.
+    """
+    s = run.steps
+    pre = s["num_prefill_tokens"].fillna(0) > 0
+    dec = s["num_decode_tokens"].fillna(0) > 0
+    kind = np.where(pre & dec, "mixed", np.where(pre, "prefill_only", "decode_only"))
+    df = pd.DataFrame({"kind": kind, "step_s": s["step_s"], "schedule_s": s["schedule_s"] + s["prepare_s"].fillna(0),
+                       "forward_s": s["forward_s"], "output_s": s["output_s"],
+                       "num_batched_tokens": s["num_batched_tokens"],
+                       "num_seqs": s["num_prefill_seqs"] + s["num_decode_seqs"]})
+    g = df.groupby("kind", sort=False)
+    out = g.mean(numeric_only=True).add_suffix("_mean")
+    out.insert(0, "num_steps", g.size())
+    out = out.reset_index()
+    order = {"prefill_only": 0, "mixed": 1, "decode_only": 2}
+    return out.sort_values("kind", key=lambda k: k.map(order)).reset_index(drop=True)

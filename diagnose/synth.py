@@ -1,0 +1,414 @@
+"""Synthetic run bundles: a small continuous-batching simulator with one knob per layer.
+
+It writes bundles in the probes schema (manifest.json + Parquet tables) so diagnose
+can be tested and benchmarked without the engine: each knob moves time in exactly one
+layer (``gateway_delay_s`` -> gateway.queue, ``step_overhead_s`` -> engine.schedule,
+``layer_delay_s`` -> model.forward rows, ``kernel_slowdown`` -> kernel.compute,
+``launch_gap_s`` -> kernel.launch_gap, ``collective_delay_s`` -> parallel.collective,
+``output_delay_s`` -> engine.output, ``router_skew`` -> gateway.route, small
+``num_kv_blocks`` -> engine.kv), and the workload knobs move the offered load.
+
+The scheduler mirrors the engine's: running requests first (decodes and prefill
+chunks, preempting the newest on KV exhaustion), then waiting ones FCFS within
+``max_num_seqs``, the token budget and free KV blocks. Durations in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from layerscope.diagnose.config_diff import CONFIG_DEFAULTS
+from layerscope.probes import schema
+
+ORIGIN_NS = 10**12
+
+
+@dataclass
+class SynthSpec:
+    num_requests: int = 200
+    seed: int = 0
+    # workload
+    arrival_rate_per_s: float = 50.0
+    burstiness_cv: float = 1.0  # coefficient of variation of inter-arrival times (1 = Poisson)
+    prompt_tokens_mean: float = 200.0
+    prompt_tokens_cv: float = 0.5
+    output_tokens_mean: float = 32.0
+    output_tokens_cv: float = 0.5
+    prefix_share: float = 0.0  # fraction of requests whose prompt starts with a shared prefix
+    prefix_tokens: int = 0
+    record_workload_spec: bool = True
+    # front end
+    gateway: bool = True
+    client_net_s: float = 0.0005
+    gateway_base_s: float = 0.0002
+    gateway_delay_s: float = 0.0  # knob: gateway.queue
+    route_s: float = 0.0003
+    replicas: int = 1
+    router_skew: float = 0.0  # knob: share of traffic sent to replica 0 on top of round robin
+    stream_s: float = 0.0002
+    # engine config
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int = 4096
+    block_size: int = 16
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    tp_size: int = 1
+    # step costs
+    schedule_base_s: float = 0.0002
+    schedule_per_seq_s: float = 0.00001
+    step_overhead_s: float = 0.0  # knob: engine.schedule
+    prepare_per_token_s: float = 0.000001
+    forward_base_s: float = 0.002
+    forward_per_token_s: float = 0.00002
+    num_layers: int = 4
+    layer_delay_s: dict[str, float] = field(default_factory=dict)  # knob: model.forward rows
+    kernel_slowdown: float = 1.0  # knob: kernel.compute
+    base_gap_s: float = 0.000005
+    launch_gap_s: float = 0.0  # knob: kernel.launch_gap (per op)
+    hardware_slowdown: float = 1.0
+    collective_base_s: float = 0.00005
+    collective_delay_s: float = 0.0  # knob: parallel.collective (rank 1's collectives only)
+    sample_base_s: float = 0.0001
+    sample_per_seq_s: float = 0.000005
+    output_base_s: float = 0.0001
+    output_per_seq_s: float = 0.00001
+    output_delay_s: float = 0.0  # knob: engine.output
+    loop_gap_s: float = 0.00005
+    # noise
+    noise: float = 0.05  # lognormal sigma per phase and step
+    run_noise: float = 0.0  # lognormal sigma of one factor on every duration (a busier machine)
+    # probes
+    layer_timing_interval: int = 16
+    profile_windows: int = 2  # kernel profiler windows of 4 steps each (0: none)
+    hardware_name: str = "synthetic-cpu"
+
+
+def generate(spec: SynthSpec, out: str | Path, run_id: str | None = None) -> Path:
+    """Simulate ``spec`` and write a run bundle at ``out``; returns the path."""
+    rng = np.random.default_rng(spec.seed)
+    run_factor = float(np.exp(rng.normal(0, spec.run_noise))) if spec.run_noise else 1.0
+    reqs = _make_requests(spec, rng)
+    steps: list[dict[str, Any]] = []
+    layer_rows: list[tuple] = []
+    kernel_rows: list[tuple] = []
+    coll_rows: list[tuple] = []
+    step_counter = [0]
+    for replica in range(spec.replicas):
+        mine = [r for r in reqs if r["replica"] == replica]
+        mine.sort(key=lambda r: r["engine_arrival"])
+        _simulate(spec, mine, replica, rng, run_factor, steps, layer_rows, kernel_rows, coll_rows, step_counter)
+    return _write(spec, out, run_id or f"synth-{spec.seed}", reqs, steps, layer_rows, kernel_rows, coll_rows)
+
+
+# ---- workload + front end ------------------------------------------------------------
+def _lognormal(rng, mean: float, cv: float, n: int) -> np.ndarray:
+    if cv <= 0:
+        return np.full(n, mean)
+    sigma = math.sqrt(math.log(1 + cv * cv))
+    return rng.lognormal(math.log(mean) - sigma * sigma / 2, sigma, n)
+
+
+def _make_requests(spec: SynthSpec, rng) -> list[dict[str, Any]]:
+    n = spec.num_requests
+    cv = max(spec.burstiness_cv, 1e-3)
+    shape = 1.0 / (cv * cv)
+    gaps = rng.gamma(shape, 1.0 / (spec.arrival_rate_per_s * shape), n)
+    send = np.cumsum(gaps) - gaps[0]
+    prompt = np.maximum(2, np.round(_lognormal(rng, spec.prompt_tokens_mean, spec.prompt_tokens_cv, n))).astype(int)
+    output = np.maximum(1, np.round(_lognormal(rng, spec.output_tokens_mean, spec.output_tokens_cv, n))).astype(int)
+    shared = rng.random(n) < spec.prefix_share
+    reqs = []
+    rr = 0
+    for i in range(n):
+        if spec.replicas > 1 and rng.random() < spec.router_skew:
+            replica = 0
+        else:
+            replica, rr = rr % spec.replicas, rr + 1
+        p = int(prompt[i]) + (spec.prefix_tokens if shared[i] else 0)
+        gw_arr = send[i] + spec.client_net_s
+        admitted = gw_arr + spec.gateway_base_s + spec.gateway_delay_s if spec.gateway else gw_arr
+        arr = admitted + spec.route_s if spec.gateway else gw_arr
+        reqs.append(dict(request_id=f"req-{i}", replica=replica, prompt=p, out=int(output[i]), shared=bool(shared[i]),
+                         send=send[i], gw_arrival=gw_arr, admitted=admitted, routed=admitted + spec.route_s / 2,
+                         engine_arrival=arr, computed=0, generated=0, blocks=0, cached=None, first_sched=None,
+                         first_token=None, finished=None, preempted_at=None, preempted_s=0.0, num_preemptions=0,
+                         recomputed=0, num_steps=0, chunks=0, steps_ids=[]))
+    return reqs
+
+
+# ---- engine ----------------------------------------------------------------------------
+def _simulate(spec, reqs, replica, rng, run_factor, steps, layer_rows, kernel_rows, coll_rows, counter) -> None:
+    bs, nl = spec.block_size, spec.num_layers
+    pending = deque(reqs)
+    waiting: deque = deque()
+    running: list = []
+    free = spec.num_kv_blocks
+    seen_prefix = False
+    t = reqs[0]["engine_arrival"] if reqs else 0.0
+    n_ops = 10 * nl + 3
+    while pending or waiting or running:
+        while pending and pending[0]["engine_arrival"] <= t:
+            waiting.append(pending.popleft())
+        if not waiting and not running:
+            t = pending[0]["engine_arrival"]
+            continue
+        budget = spec.max_num_batched_tokens
+        sched: list[tuple[dict, int, bool]] = []
+        preempted = 0
+        q_tokens = hit_tokens = 0
+        for r in list(running):
+            if r not in running:
+                continue
+            target = r["prompt"] + r["generated"]
+            remaining = target - r["computed"]
+            is_decode = remaining == 1 and r["generated"] > 0
+            n = min(remaining, budget) if (spec.enable_chunked_prefill or remaining <= budget) else 0
+            if n <= 0:
+                continue
+            need = math.ceil((r["computed"] + n) / bs) - r["blocks"]
+            while need > free and running:
+                victim = running.pop()
+                free += victim["blocks"]
+                victim.update(blocks=0, recomputed=victim["recomputed"] + victim["computed"], computed=0,
+                              preempted_at=t, num_preemptions=victim["num_preemptions"] + 1)
+                waiting.appendleft(victim)
+                preempted += 1
+                if victim is r:
+                    break
+            if r not in running:
+                continue
+            free -= need
+            r["blocks"] += need
+            budget -= n
+            sched.append((r, n, not is_decode))
+        while not preempted and waiting and len(running) < spec.max_num_seqs and budget > 0:
+            r = waiting[0]
+            if r["cached"] is None:
+                cached = 0
+                if spec.enable_prefix_caching and r["shared"]:
+                    if seen_prefix:
+                        cached = (min(spec.prefix_tokens, r["prompt"] - 1) // bs) * bs
+                    seen_prefix = True
+                start = cached
+            else:
+                cached, start = r["cached"], 0
+            target = r["prompt"] + r["generated"]
+            remaining = target - start
+            if not spec.enable_chunked_prefill and remaining > budget:
+                break
+            n = min(remaining, budget)
+            need = math.ceil((start + n) / bs)
+            if need > free:
+                break
+            waiting.popleft()
+            if r["cached"] is None:
+                q_tokens += r["prompt"]
+                hit_tokens += cached
+                r["cached"] = cached
+            if r["preempted_at"] is not None:
+                r["preempted_s"] += t - r["preempted_at"]
+                r["preempted_at"] = None
+            r["computed"] = start
+            free -= need
+            r["blocks"] = need
+            budget -= n
+            running.append(r)
+            sched.append((r, n, True))
+        if not sched:
+            # nothing runnable (everything waits on KV or the budget): idle until the next arrival
+            t = pending[0]["engine_arrival"] if pending else t + spec.loop_gap_s
+            if not pending and not running:
+                raise RuntimeError("synth: a request can never be scheduled (num_kv_blocks too small)")
+            continue
+
+        def jit() -> float:
+            return run_factor * (float(np.exp(rng.normal(0, spec.noise))) if spec.noise else 1.0)
+
+        n_seqs = len(sched)
+        tokens = sum(n for _, n, _ in sched)
+        p_seqs = sum(1 for _, _, p in sched if p)
+        p_tokens = sum(n for _, n, p in sched if p)
+        schedule_s = (spec.schedule_base_s + spec.schedule_per_seq_s * n_seqs) * jit() + spec.step_overhead_s
+        prepare_s = spec.prepare_per_token_s * tokens * jit()
+        compute_s = ((spec.forward_base_s + spec.forward_per_token_s * tokens) * spec.hardware_slowdown
+                     * spec.kernel_slowdown * jit())
+        gaps_s = (n_ops - 1) * (spec.base_gap_s * jit() + spec.launch_gap_s)
+        delay_s = sum(spec.layer_delay_s.values())
+        coll_one = spec.collective_base_s * jit()
+        collective_s = 2 * nl * (coll_one + spec.collective_delay_s) if spec.tp_size > 1 else 0.0
+        forward_s = compute_s + gaps_s + delay_s + collective_s
+        sample_s = (spec.sample_base_s + spec.sample_per_seq_s * n_seqs) * jit()
+        output_s = (spec.output_base_s + spec.output_per_seq_s * n_seqs) * jit() + spec.output_delay_s
+        step_s = schedule_s + prepare_s + forward_s + sample_s + output_s
+        t_sample = t + schedule_s + prepare_s + forward_s + sample_s
+        end = t + step_s
+        step_id = counter[0]
+        counter[0] += 1
+        for r, n, is_prefill in sched:
+            r["computed"] += n
+            r["num_steps"] += 1
+            r["chunks"] += 1 if is_prefill and r["first_token"] is None else 0
+            if r["first_sched"] is None:
+                r["first_sched"] = t
+            if r["computed"] == r["prompt"] + r["generated"]:
+                r["generated"] += 1
+                if r["first_token"] is None:
+                    r["first_token"] = t_sample
+                if r["generated"] >= r["out"]:
+                    r["finished"] = t_sample
+                    running.remove(r)
+                    free += r["blocks"]
+                    r["blocks"] = 0
+        steps.append(dict(step_id=step_id, replica=replica, start=t, end=end, schedule_s=schedule_s,
+                          prepare_s=prepare_s, forward_s=forward_s, sample_s=sample_s, output_s=output_s,
+                          step_s=step_s, num_prefill_seqs=p_seqs, num_prefill_tokens=p_tokens,
+                          num_decode_seqs=n_seqs - p_seqs, num_decode_tokens=tokens - p_tokens,
+                          num_batched_tokens=tokens, num_running=len(running), num_waiting=len(waiting),
+                          num_kv_blocks_free=free, num_kv_blocks_total=spec.num_kv_blocks,
+                          num_preemptions=preempted, num_prefix_queries=q_tokens, num_prefix_hits=hit_tokens,
+                          collective_s=collective_s if spec.tp_size > 1 else None,
+                          request_ids=[r["request_id"] for r, _, _ in sched],
+                          request_num_tokens=[n for _, n, _ in sched]))
+        base = compute_s + gaps_s
+        if spec.layer_timing_interval and step_id % spec.layer_timing_interval == 0:
+            rows = [("embed", 0.02 * base)]
+            for i in range(nl):
+                coll = coll_one + spec.collective_delay_s if spec.tp_size > 1 else 0.0
+                rows.append((f"layers.{i}.attn", 0.45 / nl * base + coll))
+                rows.append((f"layers.{i}.mlp", 0.45 / nl * base + coll))
+            rows += [("norm", 0.01 * base), ("lm_head", 0.07 * base)]
+            rows = [(name, d + spec.layer_delay_s.get(name, 0.0)) for name, d in rows] + [("sampler", sample_s)]
+            layer_rows += [(step_id, replica, name, d) for name, d in rows]
+        if spec.profile_windows and step_id % 50 < 4 and step_id // 50 < spec.profile_windows:
+            _kernels(spec, step_id, replica, t + schedule_s + prepare_s, compute_s, gaps_s, n_ops, kernel_rows)
+        if spec.tp_size > 1:
+            t_c = t + schedule_s + prepare_s
+            for i in range(nl):
+                for op_name in (f"layers.{i}.attn", f"layers.{i}.mlp"):
+                    for rank in range(spec.tp_size):
+                        wait = spec.collective_delay_s if rank == 0 else 0.0
+                        coll_rows.append((step_id, replica, rank, "all_reduce", op_name, tokens * 4096,
+                                          int(round(t_c * 1e9)), coll_one + wait, wait))
+        t = end + spec.loop_gap_s
+
+
+_OPS = ("rms_norm", "qkv_proj", "rotary", "kv_write", "paged_attention", "o_proj", "rms_norm", "gate_up_proj",
+        "silu_mul", "down_proj")
+_OP_WEIGHTS = (0.02, 0.2, 0.02, 0.02, 0.2, 0.1, 0.02, 0.25, 0.02, 0.15)
+
+
+def _kernels(spec, step_id, replica, t0, compute_s, gaps_s, n_ops, rows) -> None:
+    names = ["embedding"] + [f"{op}" for _ in range(spec.num_layers) for op in _OPS] + ["rms_norm", "lm_head"]
+    w = np.array([0.02] + list(_OP_WEIGHTS) * spec.num_layers + [0.01, 0.07])
+    dur = compute_s * w / w.sum()
+    gap = gaps_s / (n_ops - 1)
+    t = t0
+    for i, name in enumerate(names):
+        g = None if i == 0 else gap
+        t += g or 0.0
+        cat = "memory" if name in ("kv_write", "embedding") else "compute"
+        rows.append((step_id // 50, step_id, replica, name, cat, int(round(t * 1e9)), float(dur[i]), g))
+        t += dur[i]
+
+
+# ---- writing -----------------------------------------------------------------------------
+def _ns(x: float | None) -> int | None:
+    return None if x is None else ORIGIN_NS + int(round(x * 1e9))
+
+
+def _write(spec, out, run_id, reqs, steps, layer_rows, kernel_rows, coll_rows) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    gw = spec.gateway
+    rq: dict[str, list] = {f.name: [] for f in schema.REQUESTS}
+    for r in reqs:
+        stream = spec.stream_s if gw else 0.0
+        first = r["first_token"] + stream if r["first_token"] is not None else None
+        done = r["finished"] + stream if r["finished"] is not None else None
+        start = r["gw_arrival"] if gw else r["engine_arrival"]
+        ttft = first - start
+        e2e = done - start
+        vals = dict(
+            request_id=r["request_id"], replica=r["replica"], status="finished_length", finish_reason="length",
+            error=None, http_status=200 if gw else None, num_prompt_tokens=r["prompt"],
+            num_cached_tokens=r["cached"] or 0, num_output_tokens=r["generated"],
+            num_preemptions=r["num_preemptions"], num_recomputed_tokens=r["recomputed"], num_steps=r["num_steps"],
+            num_prefill_chunks=r["chunks"], client_send_ns=_ns(r["send"]) if gw else None,
+            gateway_arrival_ns=_ns(r["gw_arrival"]) if gw else None, gateway_admitted_ns=_ns(r["admitted"]) if gw else None,
+            gateway_routed_ns=_ns(r["routed"]) if gw else None, engine_arrival_ns=_ns(r["engine_arrival"]),
+            engine_scheduled_ns=_ns(r["first_sched"]), engine_first_token_ns=_ns(r["first_token"]),
+            engine_finished_ns=_ns(r["finished"]), gateway_first_token_ns=_ns(first) if gw else None,
+            gateway_finished_ns=_ns(done) if gw else None,
+            client_first_token_ns=_ns(first + spec.client_net_s) if gw else None,
+            client_done_ns=_ns(done + spec.client_net_s) if gw else None,
+            ttft_s=ttft, tpot_s=(e2e - ttft) / (r["generated"] - 1) if r["generated"] > 1 else None, e2e_s=e2e,
+            itl_mean_s=(e2e - ttft) / (r["generated"] - 1) if r["generated"] > 1 else None, itl_max_s=None,
+            client_ttft_s=ttft + 2 * spec.client_net_s if gw else None,
+            client_tpot_s=(e2e - ttft) / (r["generated"] - 1) if gw and r["generated"] > 1 else None,
+            client_e2e_s=e2e + 2 * spec.client_net_s if gw else None,
+            preempted_s=r["preempted_s"], trace_id=None)
+        for f in schema.REQUESTS:
+            rq[f.name].append(vals.get(f.name))
+    pq.write_table(pa.Table.from_pydict(rq, schema=schema.REQUESTS), out / "requests.parquet")
+    st = {f.name: [s.get(f.name) for s in steps] for f in schema.STEPS}
+    st["start_ns"] = [_ns(s["start"]) for s in steps]
+    st["end_ns"] = [_ns(s["end"]) for s in steps]
+    pq.write_table(pa.Table.from_pydict(st, schema=schema.STEPS), out / "steps.parquet")
+    _write_rows(out / "layers.parquet", schema.LAYER_TIMES, layer_rows)
+    kernel_rows = [(w, s, rep, n, c, ORIGIN_NS + t, d, g) for (w, s, rep, n, c, t, d, g) in kernel_rows]
+    _write_rows(out / "kernels.parquet", schema.KERNELS, kernel_rows)
+    coll_rows = [(s, rep, rank, op, n, b, ORIGIN_NS + t, d, w) for (s, rep, rank, op, n, b, t, d, w) in coll_rows]
+    _write_rows(out / "collectives.parquet", schema.COLLECTIVES, coll_rows)
+    _write_rows(out / "spans.parquet", schema.SPANS, [])
+    config = dict(CONFIG_DEFAULTS, max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
+                  num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
+                  enable_chunked_prefill=spec.enable_chunked_prefill,
+                  enable_prefix_caching=spec.enable_prefix_caching, tp_size=spec.tp_size,
+                  layer_timing_interval=spec.layer_timing_interval, model="synthetic")
+    nested = {k: v for k, v in config.items() if not k.startswith("gateway.")}
+    nested["gateway"] = {k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("gateway.")}
+    argv = ["layerscope", "run", "--model", "synthetic", "--workload", "synth", "--out", str(out)]
+    for k, v in config.items():
+        if v != CONFIG_DEFAULTS[k] and k not in ("model", "tp_size"):
+            argv += ["--set", f"{k}={v}"]
+    if spec.tp_size > 1:
+        argv += ["--tp", str(spec.tp_size)]
+    workload = {"name": "synth", "seed": spec.seed, "num_requests": spec.num_requests,
+                "arrival_rate_per_s": spec.arrival_rate_per_s, "burstiness_cv": spec.burstiness_cv,
+                "prompt_tokens_mean": spec.prompt_tokens_mean, "output_tokens_mean": spec.output_tokens_mean,
+                "prefix_share": spec.prefix_share, "prefix_tokens": spec.prefix_tokens} if spec.record_workload_spec else {}
+    ends = [r["finished"] for r in reqs if r["finished"] is not None]
+    manifest = {
+        "format": schema.BUNDLE_FORMAT, "schema_version": schema.SCHEMA_VERSION, "run_id": run_id, "command": argv,
+        "config": nested,
+        "resolved": {"architecture": "LlamaForCausalLM", "dtype": "float32", "device": "cpu",
+                     "kernel_backend": "torch", "num_kv_blocks": spec.num_kv_blocks, "block_size": spec.block_size,
+                     "num_layers": spec.num_layers},
+        "workload": workload,
+        # what the simulator was told; diagnose must never read it
+        "faults": {"synth": {k: v for k, v in dataclasses.asdict(spec).items() if k.endswith(("_delay_s", "_skew",
+                                                                                          "slowdown", "_gap_s"))}},
+        "versions": {"layerscope": "0.1.0", "git_rev": "synthetic", "python": "3.11", "torch": None},
+        "hardware": {"cpu": spec.hardware_name, "cores": 2, "gpu": None},
+        "probes": "default",
+        "start_ns": ORIGIN_NS, "end_ns": _ns(max(ends) if ends else 0.0), "start_time": "1970-01-01T00:00:00Z",
+        "summary": {"requests": len(reqs)},
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return out
+
+
+def _write_rows(path: Path, sch: pa.Schema, rows: list[tuple]) -> None:
+    cols = list(zip(*rows)) if rows else [[] for _ in sch]
+    pq.write_table(pa.Table.from_arrays([pa.array(list(c), type=f.type) for c, f in zip(cols, sch)], schema=sch), path)
