@@ -74,21 +74,21 @@ class Case:
     triton: Callable[[], object]
     torch: Callable[[], object]
     check: Callable[[], tuple[float, bool]]  # -> (max abs error, passed)
-    nbytes: int
+    io_bytes: int
 
 
 @dataclass
 class Result:
     name: str
     shape: str
-    max_err: float
+    max_abs_err: float
     ok: bool
     triton_s: float
     torch_s: float
     gbps: float
 
 
-def _nbytes(*tensors: torch.Tensor) -> int:
+def _num_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -132,14 +132,14 @@ def build_cases(tri, ref, sh: Shapes, dtype: torch.dtype, device: str, g: torch.
         "rms_norm", f"T={t} H={h}",
         lambda: tri.rms_norm(x, w, 1e-6), lambda: ref.rms_norm(x, w, 1e-6),
         lambda: _compare(tri.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), "pointwise"),
-        _nbytes(x, w) + t * h * e,
+        _num_bytes(x, w) + t * h * e,
     ))
     cases.append(Case(
         "fused_add_rms_norm", f"T={t} H={h}",
         lambda: tri.fused_add_rms_norm(x, res, w, 1e-6), lambda: ref.fused_add_rms_norm(x, res, w, 1e-6),
         lambda: _compare(tri.fused_add_rms_norm(x, res, w, 1e-6), ref.fused_add_rms_norm(x, res, w, 1e-6),
                          "pointwise"),
-        _nbytes(x, res, w) + 2 * t * h * e,
+        _num_bytes(x, res, w) + 2 * t * h * e,
     ))
 
     d = sh.head_dim
@@ -152,7 +152,7 @@ def build_cases(tri, ref, sh: Shapes, dtype: torch.dtype, device: str, g: torch.
         "rotary", f"T={t} Hq={sh.hq} Hk={sh.hk} D={d}",
         lambda: tri.rotary(q, k, positions, cos_sin), lambda: ref.rotary(q, k, positions, cos_sin),
         lambda: _compare(tri.rotary(q, k, positions, cos_sin), ref.rotary(q, k, positions, cos_sin), "pointwise"),
-        2 * _nbytes(q, k) + _nbytes(positions) + t * d * 4,
+        2 * _num_bytes(q, k) + _num_bytes(positions) + t * d * 4,
     ))
 
     xi = rnd(t, 2 * sh.intermediate, scale=2.0)
@@ -160,7 +160,7 @@ def build_cases(tri, ref, sh: Shapes, dtype: torch.dtype, device: str, g: torch.
         "silu_and_mul", f"T={t} I={sh.intermediate}",
         lambda: tri.silu_and_mul(xi), lambda: ref.silu_and_mul(xi),
         lambda: _compare(tri.silu_and_mul(xi), ref.silu_and_mul(xi), "pointwise"),
-        _nbytes(xi) + t * sh.intermediate * e,
+        _num_bytes(xi) + t * sh.intermediate * e,
     ))
 
     bs = sh.block_size
@@ -181,7 +181,7 @@ def build_cases(tri, ref, sh: Shapes, dtype: torch.dtype, device: str, g: torch.
         "write_kv", f"T={t} Hk={sh.hk} D={d} bs={bs}",
         lambda: tri.write_kv(kn, vn, kc, vc, slots), lambda: ref.write_kv(kn, vn, kc, vc, slots),
         check_write,
-        _nbytes(slots) + 2 * written * sh.hk * d * e * 2,
+        _num_bytes(slots) + 2 * written * sh.hk * d * e * 2,
     ))
 
     scale = d**-0.5
@@ -195,7 +195,7 @@ def build_cases(tri, ref, sh: Shapes, dtype: torch.dtype, device: str, g: torch.
         "prefill_attention", f"P={len(p_lens)} Tq={sum(q_lens)} ctx={sum(p_lens)} Hq={sh.hq} Hk={sh.hk} D={d}",
         lambda: tri.prefill_attention(*pargs), lambda: ref.prefill_attention(*pargs),
         lambda: _compare(tri.prefill_attention(*pargs), ref.prefill_attention(*pargs), "attention"),
-        2 * _nbytes(pq) + 2 * sum(p_lens) * sh.hk * d * e + _nbytes(ptable, pseq, cu),
+        2 * _num_bytes(pq) + 2 * sum(p_lens) * sh.hk * d * e + _num_bytes(ptable, pseq, cu),
     ))
 
     dkc, dvc, dtable, dseq = _paged(g, sh.decode_lens, bs, sh.hk, d, dtype, device)
@@ -206,7 +206,7 @@ def build_cases(tri, ref, sh: Shapes, dtype: torch.dtype, device: str, g: torch.
         f"B={len(sh.decode_lens)} ctx={sum(sh.decode_lens)} Hq={sh.hq} Hk={sh.hk} D={d}",
         lambda: tri.decode_attention(*dargs), lambda: ref.decode_attention(*dargs),
         lambda: _compare(tri.decode_attention(*dargs), ref.decode_attention(*dargs), "attention"),
-        2 * _nbytes(dq) + 2 * sum(sh.decode_lens) * sh.hk * d * e + _nbytes(dtable, dseq),
+        2 * _num_bytes(dq) + 2 * sum(sh.decode_lens) * sh.hk * d * e + _num_bytes(dtable, dseq),
     ))
     return cases
 
@@ -242,7 +242,7 @@ def format_table(results: list[Result], device: str) -> str:
         [
             r.name,
             r.shape,
-            f"{r.max_err:.2e}",
+            f"{r.max_abs_err:.2e}",
             "PASS" if r.ok else "FAIL",
             f"{r.triton_s * 1e3:.3f}",
             f"{r.torch_s * 1e3:.3f}",
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         err, ok = case.check()
         t_tri = time_fn(case.triton, device, reps, warmup, flush)
         t_ref = time_fn(case.torch, device, reps, warmup, flush)
-        gbps = case.nbytes / t_tri / 1e9 if t_tri > 0 else 0.0
+        gbps = case.io_bytes / t_tri / 1e9 if t_tri > 0 else 0.0
         results.append(Result(case.name, case.shape, err, ok, t_tri, t_ref, gbps))
         print(f"  {case.name}: {'PASS' if ok else 'FAIL'} (max abs err {err:.2e})", flush=True)
     print()

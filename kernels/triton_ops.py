@@ -23,6 +23,11 @@ Conventions shared by every kernel:
 * the attention wrappers never synchronise with the host (no ``.item()``/``.tolist()``),
   so decode can be captured in a CUDA graph: grids are sized from tensor shapes and
   programs with no work exit early.
+
+Why one ~650-line module: ``dispatch.get_kernel_ops("triton")`` loads exactly one module
+per backend, mirroring ``reference.py`` function for function; the sections below
+(RMSNorm, rotary, SiLU-and-mul, KV write, attention) are independent and each pairs
+its kernel with its wrapper.
 """
 
 from __future__ import annotations
@@ -81,19 +86,8 @@ def _store_rounded(ptr, x, mask):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,
-    r_ptr,
-    w_ptr,
-    out_ptr,
-    res_out_ptr,
-    H,
-    eps,
-    stride_x,
-    stride_r,
-    stride_o,
-    stride_ro,
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, H, eps, stride_x, stride_r, stride_o, stride_ro,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One row per program. ``res_out_ptr`` carries the dtype the row is normalised in
     (x + residual with residual, x itself without)."""
@@ -173,17 +167,8 @@ def fused_add_rms_norm(
 
 @triton.jit
 def _rope_tile(
-    x_ptr,
-    o_ptr,
-    stride_xh,
-    stride_xd,
-    stride_oh,
-    n_heads,
-    half,
-    cos,
-    sin,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    x_ptr, o_ptr, stride_xh, stride_xd, stride_oh, n_heads, half, cos, sin,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     dt: tl.constexpr = o_ptr.dtype.element_ty
     offs_h = tl.arange(0, BLOCK_H)
@@ -204,29 +189,10 @@ def _rope_tile(
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr,
-    k_ptr,
-    pos_ptr,
-    cs_ptr,
-    qo_ptr,
-    ko_ptr,
-    n_q_heads,
-    n_k_heads,
-    half,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_qot,
-    stride_qoh,
-    stride_kot,
-    stride_koh,
+    q_ptr, k_ptr, pos_ptr, cs_ptr, qo_ptr, ko_ptr, n_q_heads, n_k_heads, half, stride_qt, stride_qh,
+    stride_qd, stride_kt, stride_kh, stride_kd, stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_cs,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -320,30 +286,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr,
-    v_ptr,
-    kc_ptr,
-    vc_ptr,
-    slot_ptr,
-    n_heads,
-    head_dim,
-    block_size,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_vt,
-    stride_vh,
-    stride_vd,
-    stride_kcb,
-    stride_kcs,
-    stride_kch,
-    stride_kcd,
-    stride_vcb,
-    stride_vcs,
-    stride_vch,
-    stride_vcd,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, n_heads, head_dim, block_size, stride_kt, stride_kh,
+    stride_kd, stride_vt, stride_vh, stride_vd, stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -393,18 +339,8 @@ def write_kv(
 
 @triton.jit
 def _load_kv_tile(
-    cache_ptr,
-    bt_row_ptr,
-    offs_n,
-    n_mask,
-    kv_head,
-    offs_d,
-    d_mask,
-    block_size,
-    stride_b,
-    stride_s,
-    stride_h,
-    stride_d,
+    cache_ptr, bt_row_ptr, offs_n, n_mask, kv_head, offs_d, d_mask, block_size, stride_b, stride_s,
+    stride_h, stride_d,
 ):
     """Gather [BLOCK_N, BLOCK_D] cache rows of tokens ``offs_n`` through the block table."""
     phys = tl.load(bt_row_ptr + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
@@ -437,39 +373,12 @@ def _attn_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr,
-    kc_ptr,
-    vc_ptr,
-    bt_ptr,
-    sl_ptr,
-    out_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    qk_scale,
-    block_size,
-    head_dim,
-    tokens_per_split,
-    stride_qb,
-    stride_qh,
-    stride_qd,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_vd,
-    stride_bt,
-    stride_ob,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale,
+    block_size, head_dim, tokens_per_split, stride_qb, stride_qh, stride_qd, stride_kb, stride_ks,
+    stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, stride_ob,
     stride_oh,
-    GROUP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
+    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Grid (B, Hk, NUM_SPLITS): the GROUP query heads sharing one KV head, over one
     split of the sequence's context. With one split the normalised output is written;
@@ -524,16 +433,8 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    out_ptr,
-    head_dim,
-    stride_ob,
-    stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, head_dim, stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid (B, Hq): merge the per-split online-softmax states."""
     b = tl.program_id(0).to(tl.int64)
@@ -643,35 +544,10 @@ def decode_attention(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr,
-    kc_ptr,
-    vc_ptr,
-    bt_ptr,
-    sl_ptr,
-    cu_ptr,
-    out_ptr,
-    qk_scale,
-    num_seqs,
-    block_size,
-    head_dim,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_kd,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_vd,
-    stride_bt,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, cu_ptr, out_ptr, qk_scale, num_seqs, block_size,
+    head_dim, stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Grid (Tq // BLOCK_M + P, Hq): one BLOCK_M tile of one sequence's new queries for one

@@ -91,6 +91,10 @@ def _compile_all(arch: int = 90) -> None:
                                              BLOCK_D=128, UPCAST=up),
                   bt_ptr=i32, sl_ptr=i32, part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32)
     dt = torch.bfloat16
+    # the JIT specialises int arguments equal to 1 into constants: one sequence, MQA
+    build(T._prefill_kernel, dt, dict(GROUP=8, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=128, UPCAST=False, num_seqs=1),
+          bt_ptr=i32, sl_ptr=i32, cu_ptr=i32)
+    build(T._write_kv_kernel, dt, dict(BLOCK_H=1, BLOCK_D=128, n_heads=1), slot_ptr=i64)
     build(T._decode_reduce_kernel, f32, dict(NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128), out_ptr=dt)
     build(T._rms_norm_kernel, dt, dict(HAS_RESIDUAL=True, BLOCK=4096), num_warps=8)
     build(T._rms_norm_kernel, dt, dict(HAS_RESIDUAL=False, BLOCK=4096), num_warps=8, w_ptr=f32, out_ptr=f32)

@@ -243,12 +243,15 @@ def test_prefill_attention(dtype, group, case):
     assert_close(out, exp, "attention")
 
 
-@pytest.mark.parametrize("block_m,block_n", [(16, 32), (32, 16)])
-def test_prefill_attention_other_tiles_and_head_dim(block_m, block_n):
+@pytest.mark.parametrize("block_m,block_n,lens", [
+    (16, 32, [(50, 50), (45, 13), (1, 1)]),
+    (32, 16, [(50, 50), (45, 13), (1, 1)]),
+    (16, 16, [(45, 13)]),  # a single sequence
+])
+def test_prefill_attention_other_tiles_and_head_dim(block_m, block_n, lens):
     """Tile sizes other than the CPU default, and a head_dim padded to a power of two."""
     g = gen(40)
     hk, group, d, bs = 1, 2, 24, 16
-    lens = [(50, 50), (45, 13), (1, 1)]
     k_cache, v_cache, table, seq_lens = paged_cache(g, [s for s, _ in lens], bs, hk, d, torch.float16)
     q_lens = [ql for _, ql in lens]
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
