@@ -98,7 +98,8 @@ class _WorkerGroup:
             deadline = time.monotonic() + _STOP_JOIN_S
             for w in self.workers:
                 w.process.join(max(0.0, deadline - time.monotonic()))
-        for stop in (BaseProcess.terminate, BaseProcess.kill):
+        # after a failure a worker may be stopped or stuck in a collective: no time for SIGTERM
+        for stop in (BaseProcess.kill,) if self.failed else (BaseProcess.terminate, BaseProcess.kill):
             alive = [w for w in self.workers if w.process.is_alive()]
             for w in alive:
                 stop(w.process)
@@ -274,12 +275,13 @@ class TPExecutor:
             time.sleep(_POLL_S)
         if dead:
             return TPWorkerError("; ".join(self._death(w, where) for w in dead))
-        alive = [w.rank for w in self._group.workers]
         text = str(e)
         if isinstance(e, CollectiveError) or "timed out" in text.lower() or "timeout" in text.lower():
+            # with more than two ranks the one that hangs cannot be told apart from here
+            ranks = ", ".join(f"rank {w.rank} (pid {w.process.pid})" for w in self._group.workers)
             return TPWorkerError(
-                f"tensor-parallel rank(s) {alive} did not answer within tp_timeout_s={self.timeout_s:g} s "
-                f"during {where} (hung?): {text}"
+                f"tensor-parallel worker {ranks} did not answer within tp_timeout_s={self.timeout_s:g} s "
+                f"during {where}: alive but hung? ({text})"
             )
         return TPWorkerError(f"tensor-parallel {where} failed on rank 0: {type(e).__name__}: {text}")
 
