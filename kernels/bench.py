@@ -247,7 +247,7 @@ def format_table(results: list[Result], device: str) -> str:
             f"{r.triton_s * 1e3:.3f}",
             f"{r.torch_s * 1e3:.3f}",
             f"{r.torch_s / r.triton_s:.3g}x" if r.triton_s > 0 else "-",
-            f"{r.gbps:.4g}",
+            f"{r.gbps:.3g}",
         ]
         for r in results
     ]

@@ -32,6 +32,8 @@ its kernel with its wrapper.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -457,11 +459,16 @@ def _decode_reduce_kernel(
     _store_rounded(out_ptr + b * stride_ob + h * stride_oh + offs_d, o, offs_d < head_dim)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _decode_num_splits(q: torch.Tensor, hk: int, max_tokens: int, block_n: int) -> int:
     """Split the context (flash-decoding) when batch x kv-heads cannot fill the GPU."""
     if q.device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
     programs = q.shape[0] * hk
     if programs >= sms:
         return 1
