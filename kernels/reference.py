@@ -110,14 +110,15 @@ def prefill_attention(
         k = gather_kv(k_cache, block_tables[i], seq_len)  # [L, Hk, D]
         v = gather_kv(v_cache, block_tables[i], seq_len)
         qi = q[s:e].transpose(0, 1)  # [Hq, q_len, D]
-        ki = k.transpose(0, 1).repeat_interleave(hq // hk, dim=0)  # [Hq, L, D]
-        vi = v.transpose(0, 1).repeat_interleave(hq // hk, dim=0)
+        ki = k.transpose(0, 1)  # [Hk, L, D]
+        vi = v.transpose(0, 1)
+        gqa = hq != hk
         if q_len == seq_len:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             qpos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= qpos  # [q_len, L]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[s:e] = o.transpose(0, 1)
     return out
 
@@ -144,11 +145,14 @@ def decode_attention(
     bt = block_tables[:, :nblocks].long()
     k = k_cache[bt].view(b, nblocks * bs, hk, d)  # [B, L, Hk, D]
     v = v_cache[bt].view(b, nblocks * bs, hk, d)
-    g = hq // hk
-    qg = q.view(b, hk, g, d)  # query heads grouped by their kv head
-    scores = torch.einsum("bhgd,blhd->bhgl", qg.float(), k.float()) * scale
     valid = torch.arange(nblocks * bs, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-    return o.reshape(b, hq, d).to(q.dtype)
+    # SDPA with GQA: no repeat of K/V, and a fused kernel in the activation dtype
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, Hq, 1, D]
+        k.transpose(1, 2),  # [B, Hk, L, D]
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=hq != hk,
+    )
+    return o.squeeze(2)
