@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -193,6 +195,22 @@ def test_lost_worker_raises_and_leaves_no_process(models, how):
         llm.engine.executor.execute_model(None)  # type: ignore[arg-type]
 
 
+def test_interpreter_exit_without_shutdown_stops_workers(models):
+    script = (
+        "import sys\n"
+        "from layerscope.engine.llm import LLM\n"
+        f"llm = LLM(model={str(models['llama'])!r}, tp_size=2, dtype='float32', kernel_backend='torch', num_threads=1)\n"
+        "print(llm.engine.executor.worker_pids[1], flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    pid = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 5.0
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(pid)
+
+
 def test_two_tp_engines_side_by_side(models):
     """Each engine has its own store (port picked at runtime) and its own process group."""
     before = child_pids()
@@ -211,7 +229,11 @@ def test_two_tp_engines_side_by_side(models):
 
 
 def test_cli_generate_tp2(models, capsys):
-    from layerscope.cli import main
+    from layerscope.cli import build_parser
+
+    def main(argv):  # the generate command without cli.main's one-time registration of other commands
+        args = build_parser().parse_args(argv)
+        return args.func(args)
 
     args = ["generate", "--model", str(models["qwen2"]), "--prompt", "hello world", "--max-tokens", "8",
             "--ignore-eos", "--json", "--set", "dtype=float32", "--set", "kernel_backend=torch",
