@@ -45,16 +45,21 @@ class CollectiveError(RuntimeError):
 
 def new_process_group(store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float):
     """A process group of its own (not the global default one) over ``store``."""
-    timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    # all ranks are local processes: loopback, no hostname lookup
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return dist.ProcessGroupGloo(store, rank, world_size, opts)
+        # our own deadline (Communicator._drain_stream) must fire first: NCCL's watchdog
+        # may take the whole process down when its timeout expires
+        opts._timeout = timedelta(seconds=2 * timeout_s + 30)
+        opts.is_high_priority_stream = False
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        # all ranks are local processes: loopback, no hostname lookup
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+    pg._set_sequence_number_for_group()  # as torch.distributed does for the groups it makes
+    return pg
 
 
 class Communicator:
