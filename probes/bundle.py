@@ -1,0 +1,479 @@
+"""The run bundle: ``BundleWriter`` writes it, ``read_bundle`` reads and validates it.
+
+Layout (schema.py has the tables' columns): ``manifest.json``, one Parquet file per
+table of ``schema.TABLES``, ``metrics.prom``, ``traces/``. Nothing is pickled.
+
+Writing is atomic at the directory level: everything goes into a hidden sibling
+directory that is renamed onto the bundle path at the end, so a reader never sees a
+half-written bundle, and the manifest is the last file written inside it.
+
+One process, one recorder: ``BundleWriter(out).add_recorder(rec); .write()``.
+Several processes (gateway + replicas): each replica sends ``rec.export()`` (plain
+data: Arrow IPC bytes, text; fine for a multiprocessing queue) or writes
+``write_part(rec, dir)``; the parent calls ``add_export(exp)`` / ``add_part(dir)``
+for each, adds the gateway's own recorder (``add_recorder``) and/or its timestamps as
+rows (``add_request_fields``; client timestamps from a load generator the same way),
+and ``write()``. Request rows are joined on ``request_id`` (first non-null value per
+column, engine parts first) and only then finalized (``requests.finalize_row``), so
+gateway timestamps recorded in another process enter the TTFT decomposition.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from layerscope.probes import schema
+from layerscope.probes.requests import finalize_row
+
+MANIFEST = "manifest.json"
+METRICS_FILE = "metrics.prom"
+TRACES_DIR = "traces"
+PART_FILE = "part.json"
+PART_FORMAT = "layerscope.bundle-part"
+
+
+class BundleError(ValueError):
+    """A run bundle (or part) is missing, incomplete, corrupt or of an unknown schema version."""
+
+
+# ---- low-level writes ----------------------------------------------------------------------
+def _replace_file(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_table(path: str | Path, table: pa.Table) -> None:
+    """Write one Parquet file (temp then rename)."""
+    _replace_file(Path(path), lambda p: pq.write_table(table, p))
+
+
+def write_text(path: str | Path, text: str) -> None:
+    _replace_file(Path(path), lambda p: p.write_text(text))
+
+
+def _concat(tables: list[pa.Table], sch: pa.Schema) -> pa.Table:
+    tables = [t.select(sch.names).cast(sch) for t in tables]
+    return pa.concat_tables(tables) if tables else sch.empty_table()
+
+
+# ---- Prometheus exposition merge ---------------------------------------------------------------
+def merge_exposition(texts: list[str]) -> str:
+    """Merge text expositions of several processes into one (one HELP/TYPE per family).
+
+    Samples of different processes differ in their ``replica`` label, so none collide.
+    """
+    texts = [t for t in texts if t.strip()]
+    if len(texts) <= 1:
+        return texts[0] if texts else ""
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.utils import floatToGoString
+
+    families: dict[str, Any] = {}
+    for text in texts:
+        for fam in text_string_to_metric_families(text):
+            if fam.name in families:
+                families[fam.name].samples.extend(fam.samples)
+            else:
+                families[fam.name] = fam
+    out: list[str] = []
+    for fam in families.values():
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        doc = fam.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        out += [f"# HELP {name} {doc}", f"# TYPE {name} {fam.type}"]
+        for s in fam.samples:
+            labels = ",".join(
+                f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + "n").replace(chr(34), chr(92) + chr(34))}"'
+                for k, v in sorted(s.labels.items())
+            )
+            out.append(f"{s.name}{{{labels}}} {floatToGoString(s.value)}" if labels else f"{s.name} {floatToGoString(s.value)}")
+    return "\n".join(out) + "\n"
+
+
+# ---- summary ----------------------------------------------------------------------------------
+def _pcts(values: list[float]) -> dict[str, Any]:
+    vals = sorted(v for v in values if v is not None and not math.isnan(v))
+    out: dict[str, Any] = {"count": len(vals)}
+    for p in (50, 90, 99):
+        if not vals:
+            out[f"p{p}"] = None
+            continue
+        k = (len(vals) - 1) * p / 100  # linear interpolation (numpy's default)
+        lo, hi = math.floor(k), math.ceil(k)
+        out[f"p{p}"] = vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+    return out
+
+
+def summarize(rows: list[dict[str, Any]], num_steps: int = 0) -> dict[str, Any]:
+    """Headline figures: requests, duration_s, output_tokens_per_s (busy interval), TTFT/TPOT/E2E percentiles."""
+    starts = [r.get("gateway_arrival_ns") or r.get("engine_arrival_ns") for r in rows]
+    ends = [r.get("gateway_finished_ns") or r.get("engine_finished_ns") for r in rows]
+    starts = [s for s in starts if s is not None]
+    ends = [e for e in ends if e is not None]
+    duration = (max(ends) - min(starts)) / 1e9 if starts and ends else 0.0
+    out_tokens = sum(r.get("num_output_tokens") or 0 for r in rows)
+    finished = [r for r in rows if (r.get("status") or "").startswith("finished")]
+    return {
+        "requests": len(rows),
+        "requests_finished": len(finished),
+        "requests_failed": len(rows) - len(finished),
+        "num_steps": num_steps,
+        "duration_s": duration,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / duration if duration > 0 else None,
+        "ttft_s": _pcts([r.get("ttft_s") for r in rows]),
+        "tpot_s": _pcts([r.get("tpot_s") for r in rows]),
+        "e2e_s": _pcts([r.get("e2e_s") for r in rows]),
+    }
+
+
+# ---- exports and parts (one per process) ------------------------------------------------------------
+def table_to_bytes(table: pa.Table) -> bytes:
+    """Arrow IPC stream bytes (for an export crossing a process boundary)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def table_from_bytes(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+def make_export(recorder) -> dict[str, Any]:
+    """A recorder's output as plain data (bytes, str, numbers, dicts): what ``ProbeRecorder.export``
+    returns, sent from a replica process to the gateway. Request rows are not finalized."""
+    return {
+        "format": PART_FORMAT,
+        "schema_version": schema.SCHEMA_VERSION,
+        "replica": str(recorder.replica),
+        "probes": recorder.level,
+        "config": recorder.config,
+        "resolved": recorder.resolved,
+        "start_ns": recorder.start_ns,
+        "end_ns": recorder.end_ns,
+        "num_steps": recorder.num_steps,
+        "tables": {name: table_to_bytes(t) for name, t in recorder.tables(finalize=False).items()},
+        "metrics": recorder.metrics_text(),
+        "traces": {f.name: f.read_bytes() for f in recorder.trace_files()},
+    }
+
+
+def write_part(source, part_dir: str | Path) -> Path:
+    """Write a recorder (or its ``export()``) as a bundle part directory; return its path."""
+    exp = source.export() if hasattr(source, "export") else source
+    d = Path(part_dir)
+    (d / TRACES_DIR).mkdir(parents=True, exist_ok=True)
+    for name, data in exp["tables"].items():
+        write_table(d / f"{name}.parquet", table_from_bytes(data))
+    write_text(d / METRICS_FILE, exp["metrics"])
+    for name, data in exp["traces"].items():
+        _replace_file(d / TRACES_DIR / name, lambda p, data=data: p.write_bytes(data))
+    meta = {k: v for k, v in exp.items() if k not in ("tables", "metrics", "traces")}
+    write_text(d / PART_FILE, json.dumps(meta, indent=1, default=str))
+    return d
+
+
+class BundleWriter:
+    """Collects recorders, exports, parts and request fields; ``write()`` produces the bundle directory."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        run_id: str | None = None,
+        command: list[str] | None = None,
+        config: Any = None,
+        resolved: Any = None,
+        workload: dict[str, Any] | None = None,
+        faults: Any = None,
+        probes: str | None = None,
+        overwrite: bool = False,
+    ):
+        self.out_dir = Path(out_dir)
+        self.run_id = run_id or f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.command = list(command) if command is not None else list(sys.argv)
+        self.config = config.to_dict() if hasattr(config, "to_dict") else config
+        self.resolved = [resolved.to_dict() if hasattr(resolved, "to_dict") else resolved] if resolved else []
+        self.workload = workload or {}
+        self.faults = faults.to_dict() if hasattr(faults, "to_dict") else (faults or {})
+        self.probes = probes
+        self.overwrite = overwrite
+        self.start_ns: int | None = None
+        self.end_ns: int | None = None
+        self.start_time = datetime.now(timezone.utc).isoformat()
+        self._request_rows: list[dict[str, Any]] = []
+        self._extra_fields: list[dict[str, Any]] = []
+        self._tables: dict[str, list[pa.Table]] = {n: [] for n in schema.TABLES if n != "requests"}
+        self._metrics: list[str] = []
+        self._traces: list[tuple[str, Path | bytes]] = []
+        self._num_steps = 0
+
+    def _add(self, meta: dict[str, Any], tables: dict[str, pa.Table], metrics: str,
+             traces: list[tuple[str, Path | bytes]]) -> "BundleWriter":
+        rows = tables["requests"].to_pylist()
+        if meta.get("replica") == "gateway":  # engine rows first: their values win the join
+            self._request_rows += rows
+        else:
+            self._request_rows[:0] = rows
+        for name in self._tables:
+            self._tables[name].append(tables[name])
+        self._metrics.append(metrics)
+        self._traces += traces
+        if self.config is None and meta.get("config"):
+            self.config = meta["config"]
+        if meta.get("resolved") and meta["resolved"] not in self.resolved:
+            self.resolved.append(meta["resolved"])
+        self._num_steps += meta.get("num_steps") or 0
+        start, end = meta.get("start_ns"), meta.get("end_ns")
+        if start is not None:
+            self.start_ns = start if self.start_ns is None else min(self.start_ns, start)
+        if end is not None:
+            self.end_ns = end if self.end_ns is None else max(self.end_ns, end)
+        level = meta.get("probes")
+        if level and meta.get("replica") != "gateway" and self.probes is None:
+            self.probes = level
+        return self
+
+    def add_recorder(self, recorder) -> "BundleWriter":
+        """Take everything a ProbeRecorder of this process recorded."""
+        meta = {"replica": str(recorder.replica), "probes": recorder.level, "config": recorder.config,
+                "resolved": recorder.resolved, "start_ns": recorder.start_ns, "end_ns": recorder.end_ns,
+                "num_steps": recorder.num_steps}
+        traces = [(f.name, f) for f in recorder.trace_files()]
+        return self._add(meta, recorder.tables(finalize=False), recorder.metrics_text(), traces)
+
+    def add_export(self, export: dict[str, Any]) -> "BundleWriter":
+        """Take a recorder's ``export()`` (e.g. received from a replica process)."""
+        if export.get("format") != PART_FORMAT:
+            raise BundleError(f"not a layerscope recorder export (format {export.get('format')!r})")
+        _check_version(export, Path("<export>"))
+        tables = {name: table_from_bytes(export["tables"][name]) for name in schema.TABLES}
+        return self._add(export, tables, export.get("metrics", ""), list(export.get("traces", {}).items()))
+
+    def add_part(self, part_dir: str | Path) -> "BundleWriter":
+        """Take a part directory written by ``write_part`` (another process's recorder)."""
+        d = Path(part_dir)
+        meta = _read_json(d / PART_FILE, "bundle part")
+        if meta.get("format") != PART_FORMAT:
+            raise BundleError(f"{d / PART_FILE}: not a layerscope bundle part (format {meta.get('format')!r})")
+        _check_version(meta, d / PART_FILE)
+        tables = {name: _read_parquet(d / f"{name}.parquet", sch) for name, sch in schema.TABLES.items()}
+        metrics = (d / METRICS_FILE).read_text() if (d / METRICS_FILE).is_file() else ""
+        tdir = d / TRACES_DIR
+        traces = [(p.name, p) for p in sorted(tdir.iterdir()) if p.is_file()] if tdir.is_dir() else []
+        return self._add(meta, tables, metrics, traces)
+
+    def add_request_fields(self, rows: Iterable[dict[str, Any]]) -> "BundleWriter":
+        """Extra per-request columns (client/gateway timestamps), joined on ``request_id``."""
+        for r in rows:
+            if "request_id" not in r:
+                raise ValueError("request field rows need a request_id")
+            self._extra_fields.append(dict(r))
+        return self
+
+    def request_rows(self) -> list[dict[str, Any]]:
+        """The merged, finalized request rows, in arrival order."""
+        merged: dict[str, dict[str, Any]] = {}
+        for r in self._request_rows + self._extra_fields:
+            cur = merged.get(r["request_id"])
+            if cur is None:
+                merged[r["request_id"]] = {c: r.get(c) for c in schema.REQUESTS.names}
+            else:
+                for k, v in r.items():
+                    if v is not None and cur.get(k) is None and k in cur:
+                        cur[k] = v
+        rows = [finalize_row(r) for r in merged.values()]
+        rows.sort(key=lambda r: (r["gateway_arrival_ns"] or r["engine_arrival_ns"] or 0, r["request_id"]))
+        return rows
+
+    def write(self) -> Path:
+        """Write the bundle (atomically) and return its path."""
+        out = self.out_dir.absolute()
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not self.overwrite:
+            raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            os.chmod(tmp, 0o755)
+            rows = self.request_rows()
+            write_table(tmp / "requests.parquet", pa.Table.from_pylist(rows, schema=schema.REQUESTS))
+            for name, parts in self._tables.items():
+                table = _concat(parts, schema.TABLES[name])
+                if name == "steps" and table.num_rows:
+                    table = table.sort_by([("replica", "ascending"), ("step_id", "ascending")])
+                write_table(tmp / f"{name}.parquet", table)
+            write_text(tmp / METRICS_FILE, merge_exposition(self._metrics))
+            (tmp / TRACES_DIR).mkdir()
+            for name, src in self._traces:
+                if isinstance(src, Path):
+                    shutil.copy2(src, tmp / TRACES_DIR / name)
+                else:
+                    (tmp / TRACES_DIR / name).write_bytes(src)
+            write_text(tmp / MANIFEST, json.dumps(self._manifest(rows), indent=1, default=str))
+            if out.exists():
+                old = tmp.with_name(tmp.name + "-old")
+                os.rename(out, old)
+                os.rename(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
+
+    def _manifest(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        from layerscope.probes.environment import hardware, versions
+
+        end = self.end_ns if self.end_ns is not None else time.monotonic_ns()
+        m = {
+            "format": schema.BUNDLE_FORMAT,
+            "schema_version": schema.SCHEMA_VERSION,
+            "run_id": self.run_id,
+            "command": self.command,
+            "config": self.config or {},
+            "resolved": self.resolved[0] if len(self.resolved) == 1 else self.resolved,
+            "workload": self.workload,
+            "faults": self.faults,
+            "versions": versions(),
+            "hardware": hardware(),
+            "probes": self.probes or "off",
+            "start_ns": self.start_ns if self.start_ns is not None else end,
+            "end_ns": end,
+            "start_time": self.start_time,
+            "summary": summarize(rows, self._num_steps),
+        }
+        assert tuple(m) == schema.MANIFEST_KEYS  # the writer and the contract move together
+        return m
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise BundleError(f"{path}: missing — not a layerscope {what} (or it was not completely written)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BundleError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BundleError(f"{path}: expected a JSON object")
+    return data
+
+
+def _check_version(meta: dict[str, Any], path: Path) -> None:
+    v = meta.get("schema_version")
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise BundleError(f"{path}: schema_version is {v!r}, expected an integer")
+    if v > schema.SCHEMA_VERSION:
+        raise BundleError(f"{path}: schema_version {v} is newer than this layerscope reads "
+                          f"(up to {schema.SCHEMA_VERSION}); upgrade layerscope to read this bundle")
+    if v < 1:
+        raise BundleError(f"{path}: unknown schema_version {v}")
+
+
+def _check_parquet(path: Path, sch: pa.Schema) -> None:
+    if not path.is_file():
+        raise BundleError(f"{path}: missing table {path.stem!r}")
+    try:
+        got = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:
+        raise BundleError(f"{path}: corrupt or truncated Parquet file ({e})") from None
+    for f in sch:
+        if f.name not in got.names:
+            raise BundleError(f"{path}: column {f.name!r} is missing")
+        if not got.field(f.name).type.equals(f.type) and got.field(f.name).type != pa.null():
+            raise BundleError(f"{path}: column {f.name!r} is {got.field(f.name).type}, expected {f.type}")
+
+
+def _read_parquet(path: Path, sch: pa.Schema) -> pa.Table:
+    _check_parquet(path, sch)
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise BundleError(f"{path}: corrupt Parquet file ({e})") from None
+
+
+class Bundle:
+    """A validated run bundle. Tables are read on first use (``table``/``df``)."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]):
+        self.path = path
+        self.manifest = manifest
+        self._cache: dict[str, pa.Table] = {}
+
+    @property
+    def schema_version(self) -> int:
+        return self.manifest["schema_version"]
+
+    def table(self, name: str) -> pa.Table:
+        if name not in schema.TABLES:
+            raise KeyError(f"unknown table {name!r}; tables: {', '.join(schema.TABLES)}")
+        if name not in self._cache:
+            self._cache[name] = _read_parquet(self.path / f"{name}.parquet", schema.TABLES[name])
+        return self._cache[name]
+
+    def df(self, name: str):
+        """The table as a pandas DataFrame."""
+        return self.table(name).to_pandas()
+
+    requests = property(lambda self: self.df("requests"))
+    steps = property(lambda self: self.df("steps"))
+    layers = property(lambda self: self.df("layers"))
+    kernels = property(lambda self: self.df("kernels"))
+    collectives = property(lambda self: self.df("collectives"))
+    spans = property(lambda self: self.df("spans"))
+
+    @property
+    def metrics_text(self) -> str:
+        return (self.path / METRICS_FILE).read_text()
+
+    @property
+    def trace_files(self) -> list[Path]:
+        d = self.path / TRACES_DIR
+        return sorted(p for p in d.iterdir() if p.is_file()) if d.is_dir() else []
+
+    def __repr__(self) -> str:
+        return f"Bundle({str(self.path)!r}, run_id={self.manifest.get('run_id')!r})"
+
+
+def read_bundle(path: str | Path, full: bool = False) -> Bundle:
+    """Open and validate a bundle: manifest (keys, format, schema version), every table's footer and
+    columns, metrics.prom. ``full=True`` also reads every table's data. Raises BundleError naming the file."""
+    p = Path(path)
+    if not p.is_dir():
+        raise BundleError(f"{p}: not a directory (a run bundle is a directory with {MANIFEST})")
+    mpath = p / MANIFEST
+    manifest = _read_json(mpath, "run bundle")
+    if manifest.get("format") != schema.BUNDLE_FORMAT:
+        raise BundleError(f"{mpath}: format is {manifest.get('format')!r}, expected {schema.BUNDLE_FORMAT!r}")
+    _check_version(manifest, mpath)
+    missing = [k for k in schema.MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise BundleError(f"{mpath}: missing keys {', '.join(missing)}")
+    for name, sch in schema.TABLES.items():
+        _check_parquet(p / f"{name}.parquet", sch)
+    if not (p / METRICS_FILE).is_file():
+        raise BundleError(f"{p / METRICS_FILE}: missing")
+    bundle = Bundle(p, manifest)
+    if full:
+        for name in schema.TABLES:
+            bundle.table(name)
+    return bundle

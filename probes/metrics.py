@@ -1,0 +1,186 @@
+"""The Prometheus metric registry: the single source of truth for metric names.
+
+``METRICS`` is a declarative list of ``MetricDef``; dashboards are generated from it
+and ``create_metrics`` makes the ``prometheus_client`` collectors from it. Names start
+with ``layerscope_``, carry their unit, end counters in ``_total`` and mirror vLLM's
+name where the concept is the same.
+
+Every metric has the labels ``model_name`` and ``replica`` (``"gateway"`` for the
+gateway process), then its own. ``layer`` is one of ``schema.LAYERS``, or
+``"request"`` for end-to-end request latencies that span every layer (TTFT, TPOT,
+ITL, E2E).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from layerscope.probes.schema import LAYERS
+
+BASE_LABELS = ("model_name", "replica")
+REQUEST_LAYER = "request"  # end-to-end request metrics: they span every layer
+GATEWAY_REPLICA = "gateway"  # the ``replica`` label value of the gateway process
+
+# Buckets (seconds), after vLLM's: latency from 1 ms to 10 min; per-token from 1 ms to 80 s.
+_REQUEST_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+              7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+            0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_STEP_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+           0.25, 0.5, 1.0, 2.5)
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    type: str  # counter | gauge | histogram
+    help: str
+    unit: str  # seconds | tokens | requests | ratio | ...
+    layer: str  # one of schema.LAYERS, or "request"
+    labels: tuple[str, ...] = BASE_LABELS
+    buckets: tuple[float, ...] | None = None  # histograms only
+    label_values: dict[str, tuple[str, ...]] | None = None  # known values, pre-created at 0
+
+    @property
+    def extra_labels(self) -> tuple[str, ...]:
+        return self.labels[len(BASE_LABELS):]
+
+
+def _m(name, type, unit, layer, help, labels=(), buckets=None, values=None) -> MetricDef:
+    return MetricDef(name, type, help, unit, layer, BASE_LABELS + tuple(labels), buckets, values)
+
+
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")
+FINISHED_REASONS = ("stop", "length", "abort")
+
+METRICS: tuple[MetricDef, ...] = (
+    # ---- request latency (vLLM names) ----
+    _m("layerscope_time_to_first_token_seconds", "histogram", "seconds", REQUEST_LAYER,
+       "Time to first token: arrival (gateway, else engine) to the first output token.", buckets=_REQUEST_S),
+    _m("layerscope_time_per_output_token_seconds", "histogram", "seconds", REQUEST_LAYER,
+       "Time per output token: (E2E - TTFT) / (output tokens - 1), per request.", buckets=_TOKEN_S),
+    _m("layerscope_inter_token_latency_seconds", "histogram", "seconds", REQUEST_LAYER,
+       "Gap between consecutive output tokens of a request, per token.", buckets=_TOKEN_S),
+    _m("layerscope_e2e_request_latency_seconds", "histogram", "seconds", REQUEST_LAYER,
+       "Arrival to last token, per finished request.", buckets=_REQUEST_S),
+    _m("layerscope_request_queue_time_seconds", "histogram", "seconds", "engine.queue",
+       "Engine arrival to first scheduled (the engine's waiting queue).", buckets=_REQUEST_S),
+    _m("layerscope_request_prefill_time_seconds", "histogram", "seconds", "model.forward",
+       "First scheduled to first token (prefill, all chunks).", buckets=_REQUEST_S),
+    _m("layerscope_request_decode_time_seconds", "histogram", "seconds", "model.forward",
+       "First token to last token (decode).", buckets=_REQUEST_S),
+    # ---- scheduler state ----
+    _m("layerscope_num_requests_running", "gauge", "requests", "engine.schedule",
+       "Requests in the running batch after the last step."),
+    _m("layerscope_num_requests_waiting", "gauge", "requests", "engine.queue",
+       "Requests in the engine's waiting queue (preempted included) after the last step."),
+    _m("layerscope_kv_cache_usage_perc", "gauge", "ratio", "engine.kv",
+       "KV-cache usage: used blocks / all blocks, 0..1 (vLLM's name and scale)."),
+    _m("layerscope_prefix_cache_queries_total", "counter", "tokens", "engine.kv",
+       "Prompt tokens looked up in the prefix cache."),
+    _m("layerscope_prefix_cache_hits_total", "counter", "tokens", "engine.kv",
+       "Prompt tokens found in the prefix cache."),
+    _m("layerscope_num_preemptions_total", "counter", "preemptions", "engine.kv",
+       "Requests preempted (by recompute) to free KV blocks."),
+    # ---- tokens and requests ----
+    _m("layerscope_prompt_tokens_total", "counter", "tokens", "workload",
+       "Prompt tokens of finished requests."),
+    _m("layerscope_generation_tokens_total", "counter", "tokens", "engine.output",
+       "Output tokens sampled."),
+    _m("layerscope_request_success_total", "counter", "requests", "engine.output",
+       "Finished requests, by finish reason.", ("finished_reason",), values={"finished_reason": FINISHED_REASONS}),
+    _m("layerscope_request_errors_total", "counter", "requests", "engine.output",
+       "Requests that failed or were refused, by reason (rejected, invalid, timeout, error).", ("reason",)),
+    # ---- engine steps and model ----
+    _m("layerscope_step_phase_seconds", "histogram", "seconds", "engine.schedule",
+       "Host time of one engine step's phase (schedule, prepare, forward, sample, output).",
+       ("phase",), _STEP_S, {"phase": STEP_PHASES}),
+    _m("layerscope_batch_tokens", "histogram", "tokens", "engine.schedule",
+       "Tokens computed in one engine step (prefill chunks + decodes).", buckets=_TOKENS),
+    _m("layerscope_layer_forward_seconds", "histogram", "seconds", "model.forward",
+       "Forward time of one model row (embed, layers.{i}.attn, layers.{i}.mlp, norm, lm_head, sampler) "
+       "on sampled steps.", ("layer",), _STEP_S),
+    _m("layerscope_launch_gap_ratio", "gauge", "ratio", "kernel.launch_gap",
+       "Share of the last profiled window's op timeline spent idle between ops (0..1); --probes full."),
+    _m("layerscope_collective_seconds", "histogram", "seconds", "parallel.collective",
+       "Duration of one tensor-parallel collective, by op.", ("op",), _STEP_S),
+    _m("layerscope_collective_wait_seconds", "histogram", "seconds", "parallel.collective",
+       "Time one collective waited for the slowest rank.", buckets=_STEP_S),
+    # ---- gateway and router (updated by the serving path) ----
+    _m("layerscope_gateway_queue_time_seconds", "histogram", "seconds", "gateway.queue",
+       "Gateway arrival to admission.", buckets=_REQUEST_S),
+    _m("layerscope_gateway_requests_total", "counter", "requests", "gateway.queue",
+       "HTTP requests answered by the gateway, by status code.", ("code",)),
+    _m("layerscope_gateway_queue_length", "gauge", "requests", "gateway.queue",
+       "Requests waiting for admission at the gateway."),
+    _m("layerscope_gateway_inflight_requests", "gauge", "requests", "gateway.queue",
+       "Requests admitted by the gateway and not finished."),
+    _m("layerscope_router_requests_total", "counter", "requests", "gateway.route",
+       "Requests routed, by target replica (the replica label)."),
+)
+
+METRICS_BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}
+
+
+def _check(defs: tuple[MetricDef, ...]) -> None:
+    for m in defs:
+        if not m.name.startswith("layerscope_"):
+            raise ValueError(f"metric {m.name}: names start with layerscope_")
+        if m.type not in ("counter", "gauge", "histogram"):
+            raise ValueError(f"metric {m.name}: unknown type {m.type}")
+        if (m.type == "counter") != m.name.endswith("_total"):
+            raise ValueError(f"metric {m.name}: counters, and only counters, end in _total")
+        if m.layer != REQUEST_LAYER and m.layer not in LAYERS:
+            raise ValueError(f"metric {m.name}: unknown layer {m.layer}")
+        if m.labels[: len(BASE_LABELS)] != BASE_LABELS:
+            raise ValueError(f"metric {m.name}: labels must start with {BASE_LABELS}")
+
+
+_check(METRICS)
+
+
+def iter_metrics(layer: str | None = None) -> Iterator[MetricDef]:
+    """The registry's metrics, optionally only those of one layer, in declaration order."""
+    return (m for m in METRICS if layer is None or m.layer == layer)
+
+
+class MetricSet:
+    """The collectors of ``METRICS`` in one ``CollectorRegistry``, for one model/replica.
+
+    ``child(name, *extra)`` returns the labelled child with ``model_name``/``replica``
+    bound (cache it: ``labels()`` takes a lock and a dict lookup).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "", replica: str | int = 0):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        self.replica = str(replica)
+        self.collectors: dict[str, Counter | Gauge | Histogram] = {}
+        for m in METRICS:
+            # prometheus_client appends _total to counters itself
+            name = m.name[: -len("_total")] if m.type == "counter" else m.name
+            kw = {"registry": self.registry}
+            if m.type == "histogram":
+                cls = Histogram
+                kw["buckets"] = m.buckets
+            else:
+                cls = Counter if m.type == "counter" else Gauge
+            self.collectors[m.name] = cls(name, m.help, list(m.labels), **kw)
+            if not m.extra_labels:
+                self.child(m.name)  # present in the exposition from the start
+            elif m.label_values:
+                for value in m.label_values[m.extra_labels[0]]:
+                    self.child(m.name, value)
+
+    def child(self, name: str, *extra: str):
+        return self.collectors[name].labels(self.model_name, self.replica, *extra)
+
+
+def create_metrics(registry: CollectorRegistry | None = None, model_name: str = "",
+                   replica: str | int = 0) -> MetricSet:
+    """Create every registry metric's collector in ``registry`` (a fresh one if None)."""
+    return MetricSet(registry, model_name, replica)

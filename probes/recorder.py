@@ -1,0 +1,472 @@
+"""ProbeRecorder: the probes' implementation of the engine's recorder seam.
+
+Levels: ``off`` records nothing (every seam method is the base no-op); ``default``
+records lifecycle events, per-step rows, sampled per-layer times, collectives,
+Prometheus metrics and (at write time) one trace per request; ``full`` adds profiler
+windows (``profiler.py``) and a py-spy capture of the process (``pyspy.py``).
+
+The step loop only appends: the StepRecord object itself, the request's events, and
+two step indices per request per step. Rows, spans and Arrow tables are built in
+``tables()``, off the hot path. Prometheus is updated per step with a handful of
+pre-bound children and per request at finish.
+
+Serving across processes: the gateway process runs a recorder with
+``replica="gateway"`` and calls ``gateway_begin``/``set_request_timestamps``/
+``gateway_end``; it passes the traceparent from ``gateway_begin`` and its own
+timestamps to the replica, whose recorder gets them through ``set_traceparent`` /
+``set_request_timestamps``. Each process writes a part (``bundle.write_part``) and
+``BundleWriter`` merges the parts on request_id.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from layerscope.engine.recorder import _NULL_CONTEXT, CollectiveRecord, Recorder, StepRecord
+from layerscope.probes import schema
+from layerscope.probes.metrics import GATEWAY_REPLICA, STEP_PHASES, MetricSet
+from layerscope.probes.requests import OUTER_FIELDS, Phase, _events, engine_row, finalize_row, gateway_phases
+from layerscope.probes.tracing import RequestTracer
+
+LEVELS = ("off", "default", "full")
+_PHASE_ATTRS = ("schedule_ns", "prepare_ns", "forward_ns", "sample_ns", "output_ns")
+
+
+class _Req:
+    """What the recorder keeps about one request (appended to on the hot path)."""
+
+    __slots__ = ("rid", "req", "events", "step_idx", "sampled_idx", "num_out", "info", "row", "trace_id")
+
+    def __init__(self, req):
+        self.rid: str = req.request_id
+        self.req = req
+        self.events: list = []
+        self.step_idx: list[int] = []
+        self.sampled_idx: list[int] = []
+        self.num_out = 0
+        self.info: dict[str, Any] | None = None
+        self.row: dict[str, Any] | None = None
+        self.trace_id: str | None = None
+
+
+class ProbeRecorder(Recorder):
+    """Records one engine replica (or the gateway) into bundle tables and Prometheus metrics."""
+
+    def __init__(
+        self,
+        level: str = "default",
+        replica: int | str = 0,
+        model_name: str = "",
+        layer_timing_interval: int = 16,
+        trace_dir: str | Path | None = None,
+        otlp: bool | None = None,
+        registry=None,
+        profile_every_steps: int = 64,
+        profile_num_steps: int = 2,
+        profile_max_windows: int = 4,
+        pyspy: bool = True,
+        pyspy_rate: int = 100,
+    ):
+        if level not in LEVELS:
+            raise ValueError(f"probes level must be one of {', '.join(LEVELS)}; got {level!r}")
+        self.level = level
+        self.enabled = level != "off"
+        self.replica = replica
+        self._replica_col = -1 if replica == GATEWAY_REPLICA else int(replica)
+        self.model_name = model_name
+        self.layer_timing_interval = layer_timing_interval
+        self.config: dict[str, Any] | None = None
+        self.resolved: dict[str, Any] | None = None
+        self.start_ns: int | None = None
+        self.end_ns: int | None = None
+        self._steps: list[StepRecord] = []
+        self._layer_times: list[tuple[int, list[tuple[str, int]]]] = []
+        self._collectives: list[CollectiveRecord] = []
+        self._live: dict[str, _Req] = {}
+        self._done: list[_Req] = []
+        self._outer: dict[str, dict[str, Any]] = {}  # gateway/client fields by request id
+        self._traceparents: dict[str, str] = {}
+        self._gateway_traces: dict[str, str] = {}  # trace ids of the requests this recorder was the gateway for
+        self.trace_dir = Path(trace_dir) if trace_dir else None
+        self._own_trace_dir = False  # a temp dir of ours: removed by shutdown()
+        self.profiler = None
+        self.pyspy = None
+        if not self.enabled:
+            self.metrics = None
+            self.tracer = None
+            return
+        self.metrics = MetricSet(registry, model_name, replica)
+        self.tracer = RequestTracer("layerscope", replica, otlp)
+        self._bind_metrics()
+        if level == "full":
+            import tempfile
+
+            from layerscope.probes.profiler import ProfilerWindows
+            from layerscope.probes.pyspy import PySpy
+
+            if self.trace_dir is None:
+                self.trace_dir = Path(tempfile.mkdtemp(prefix="layerscope-traces-"))
+                self._own_trace_dir = True
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            self.profiler = ProfilerWindows(self.trace_dir, self._replica_col, profile_every_steps,
+                                            profile_num_steps, profile_max_windows, self._on_window)
+            self.pyspy = PySpy(self.trace_dir, rate=pyspy_rate) if pyspy else None
+
+    def _bind_metrics(self) -> None:
+        m = self.metrics
+        self._m_phase = [m.child("layerscope_step_phase_seconds", p) for p in STEP_PHASES]
+        self._m_batch = m.child("layerscope_batch_tokens")
+        self._m_running = m.child("layerscope_num_requests_running")
+        self._m_waiting = m.child("layerscope_num_requests_waiting")
+        self._m_kv = m.child("layerscope_kv_cache_usage_perc")
+        self._m_queries = m.child("layerscope_prefix_cache_queries_total")
+        self._m_hits = m.child("layerscope_prefix_cache_hits_total")
+        self._m_preempt = m.child("layerscope_num_preemptions_total")
+        self._m_gen = m.child("layerscope_generation_tokens_total")
+        self._m_layer: dict[str, Any] = {}
+
+    # ---- run lifecycle ---------------------------------------------------------------
+    def configure(self, config=None, resolved=None) -> None:
+        """Take the engine's config (``EngineConfig``) and resolved record (for the manifest, and
+        ``layer_timing_interval``)."""
+        if config is not None:
+            self.config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+            self.layer_timing_interval = self.config.get("layer_timing_interval", self.layer_timing_interval)
+            if not self.model_name and self.config.get("model"):
+                self.model_name = Path(self.config["model"]).name
+        if resolved is not None:
+            self.resolved = resolved.to_dict() if hasattr(resolved, "to_dict") else dict(resolved)
+
+    def start(self) -> None:
+        """Mark the run's start; under ``full`` start py-spy on this process."""
+        if self.profiler is not None:
+            self.profiler.warmup()
+        self.start_ns = time.monotonic_ns()
+        if self.pyspy is not None:
+            self.pyspy.start()
+
+    def stop(self) -> None:
+        """Mark the run's end; close an open profiler window, stop py-spy (writes its files)."""
+        self.end_ns = time.monotonic_ns()
+        if self.profiler is not None:
+            self.profiler.close()
+        if self.pyspy is not None:
+            self.pyspy.stop()
+
+    def __enter__(self) -> "ProbeRecorder":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- the engine seam (hot path) ------------------------------------------------------
+    def should_time_layers(self, step_id: int) -> bool:
+        n = self.layer_timing_interval
+        return self.enabled and n > 0 and (step_id - 1) % n == 0
+
+    def step_context(self, step_id: int):
+        prof = self.profiler
+        return prof.step_context(step_id) if prof is not None else _NULL_CONTEXT
+
+    def on_request_events(self, request, events) -> None:
+        if not self.enabled:
+            return
+        st = self._live.get(request.request_id)
+        if st is None:
+            st = self._live[request.request_id] = _Req(request)
+        if events:
+            st.events.extend(events)
+
+    def on_step(self, step: StepRecord, layer_times) -> None:
+        if not self.enabled:
+            return
+        idx = len(self._steps)
+        self._steps.append(step)
+        live = self._live
+        sampled = 0
+        for rid in step.request_ids:
+            st = live.get(rid)
+            if st is None:
+                continue
+            st.step_idx.append(idx)
+            n = len(st.req.output_token_ids)
+            if n != st.num_out:
+                st.num_out = n
+                st.sampled_idx.append(idx)
+                sampled += 1
+        ph = self._m_phase
+        ph[0].observe(step.schedule_ns * 1e-9)
+        ph[1].observe(step.prepare_ns * 1e-9)
+        ph[2].observe(step.forward_ns * 1e-9)
+        ph[3].observe(step.sample_ns * 1e-9)
+        ph[4].observe(step.output_ns * 1e-9)
+        self._m_batch.observe(step.num_prefill_tokens + step.num_decode_tokens)
+        self._m_running.set(step.num_running)
+        self._m_waiting.set(step.num_waiting)
+        total = step.num_kv_blocks_total
+        self._m_kv.set((total - step.num_kv_blocks_free) / total if total else 0.0)
+        if step.num_prefix_queries:
+            self._m_queries.inc(step.num_prefix_queries)
+            self._m_hits.inc(step.num_prefix_hits)
+        if step.num_preemptions:
+            self._m_preempt.inc(step.num_preemptions)
+        if sampled:
+            self._m_gen.inc(sampled)
+        if layer_times:
+            self._layer_times.append((step.step_id, layer_times))
+            cache = self._m_layer
+            for name, ns in layer_times:
+                child = cache.get(name)
+                if child is None:
+                    child = cache[name] = self.metrics.child("layerscope_layer_forward_seconds", name)
+                child.observe(ns * 1e-9)
+
+    def on_collectives(self, records: list[CollectiveRecord]) -> None:
+        if not self.enabled:
+            return
+        self._collectives.extend(records)
+        m = self.metrics
+        for r in records:
+            m.child("layerscope_collective_seconds", r.op).observe(r.duration_ns * 1e-9)
+            m.child("layerscope_collective_wait_seconds").observe(r.wait_ns * 1e-9)
+
+    def on_request_finished(self, request) -> None:
+        if not self.enabled:
+            return
+        st = self._live.pop(request.request_id, None)
+        if st is None:
+            return
+        st.info = {
+            "status": request.status.value,
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "num_cached_tokens": request.num_cached_tokens,
+            "num_output_tokens": request.num_output_tokens,
+            "num_preemptions": request.num_preemptions,
+            "num_recomputed_tokens": request.num_recomputed_tokens,
+        }
+        st.req = None
+        self._done.append(st)
+        self._observe_request(st)
+        if self.tracer.otlp:  # a live collector wants spans now, not at bundle write
+            self._build(st)
+
+    def _observe_request(self, st: _Req) -> None:
+        m, info = self.metrics, st.info
+        ev = _events(st.events)
+        arrival, sched, first, fin = (ev.get(k) for k in ("arrival", "scheduled", "first_token", "finished"))
+        outer = self._outer.get(st.rid)
+        start = outer.get("gateway_arrival_ns") if outer and outer.get("gateway_arrival_ns") else arrival
+        reason = {"finished_stopped": "stop", "finished_length": "length"}.get(info["status"], "abort")
+        m.child("layerscope_request_success_total", reason).inc()
+        m.child("layerscope_prompt_tokens_total").inc(info["num_prompt_tokens"])
+        if arrival is not None and sched is not None:
+            m.child("layerscope_request_queue_time_seconds").observe((sched - arrival) * 1e-9)
+        if first is None or start is None:
+            return
+        ttft = (first - start) * 1e-9
+        m.child("layerscope_time_to_first_token_seconds").observe(ttft)
+        if sched is not None:
+            m.child("layerscope_request_prefill_time_seconds").observe((first - sched) * 1e-9)
+        if fin is None:
+            return
+        e2e = (fin - start) * 1e-9
+        m.child("layerscope_e2e_request_latency_seconds").observe(e2e)
+        m.child("layerscope_request_decode_time_seconds").observe((fin - first) * 1e-9)
+        n = info["num_output_tokens"]
+        if n >= 2:
+            m.child("layerscope_time_per_output_token_seconds").observe((e2e - ttft) / (n - 1))
+            itl = m.child("layerscope_inter_token_latency_seconds")
+            steps = self._steps
+            prev = first
+            for i in st.sampled_idx[1:]:
+                t = steps[i].end_ns - steps[i].output_ns
+                itl.observe(max(t - prev, 0) * 1e-9)
+                prev = t
+
+    # ---- gateway / client side -------------------------------------------------------------
+    def set_traceparent(self, request_id: str, traceparent: str) -> None:
+        """W3C traceparent of ``request_id``: its spans join that trace."""
+        self._traceparents[request_id] = traceparent
+
+    def set_request_timestamps(self, request_id: str, **fields: Any) -> None:
+        """Gateway/client columns of ``request_id`` (``gateway_arrival_ns=...``, ``http_status=...``).
+
+        Accepted keys: ``requests.OUTER_FIELDS``. May come before the engine sees the
+        request or after it finished, any time before ``tables()``.
+        """
+        bad = set(fields) - set(OUTER_FIELDS)
+        if bad:
+            raise ValueError(f"unknown request fields {sorted(bad)}; accepted: {', '.join(OUTER_FIELDS)}")
+        self._outer.setdefault(request_id, {}).update(fields)
+
+    def gateway_begin(self, request_id: str, arrival_ns: int | None = None, traceparent: str | None = None) -> str:
+        """The gateway got ``request_id``: open its root span; return the traceparent to hand to the replica."""
+        arrival_ns = arrival_ns if arrival_ns is not None else time.monotonic_ns()
+        self.set_request_timestamps(request_id, gateway_arrival_ns=arrival_ns)
+        if not self.enabled:
+            return traceparent or ""
+        tp = self.tracer.open_root(request_id, "request", arrival_ns, traceparent)
+        self._traceparents[request_id] = tp  # the engine's spans (if it runs here) join this trace
+        return tp
+
+    def gateway_end(self, request_id: str, status: str | None = None, http_status: int | None = None,
+                    error: str | None = None, **timestamps: Any) -> None:
+        """The gateway is done with ``request_id``: close its trace, count it in the gateway metrics."""
+        fields = {k: v for k, v in dict(status=status, http_status=http_status, error=error).items() if v is not None}
+        self.set_request_timestamps(request_id, **fields, **timestamps)
+        if not self.enabled:
+            return
+        row = {"request_id": request_id, **self._outer[request_id]}
+        end = row.get("gateway_finished_ns") or time.monotonic_ns()
+        trace_id = self.tracer.close_root(request_id, end, gateway_phases(row),
+                                          {"http_status": http_status or 0, "status": status or ""})
+        if trace_id is not None:
+            self._gateway_traces[request_id] = trace_id
+        m = self.metrics
+        if http_status is not None:
+            m.child("layerscope_gateway_requests_total", str(http_status)).inc()
+        if row.get("gateway_admitted_ns") and row.get("gateway_arrival_ns"):
+            m.child("layerscope_gateway_queue_time_seconds").observe(
+                (row["gateway_admitted_ns"] - row["gateway_arrival_ns"]) * 1e-9)
+
+    # ---- building the tables (off the hot path) ---------------------------------------------
+    def _collective_ns(self) -> dict[int, int]:
+        ranks = {r.rank for r in self._collectives}
+        rank0 = min(ranks) if ranks else 0
+        out: dict[int, int] = {}
+        for r in self._collectives:
+            if r.rank == rank0:
+                out[r.step_id] = out.get(r.step_id, 0) + r.duration_ns
+        return out
+
+    def _build(self, st: _Req, coll: dict[int, int] | None = None) -> None:
+        """The request's engine row and its trace (once per request)."""
+        rid = st.rid
+        row, phases, _ = engine_row(rid, self._replica_col, st.info, st.events, self._steps, st.step_idx,
+                                    st.sampled_idx, coll if coll is not None else self._collective_ns())
+        view = _fill(dict(row), self._outer.get(rid, {}))
+        tp = self._traceparents.get(rid)  # from the gateway (this process's gateway_begin, or another's)
+        if tp is None and rid in self._outer:
+            phases = gateway_phases(view) + phases
+        start = view["gateway_arrival_ns"] if tp is None and view["gateway_arrival_ns"] else view["engine_arrival_ns"]
+        end = max([p.end_ns for p in phases] + [view["engine_finished_ns"] or start])
+        root = Phase("request" if tp is None else "engine.request", None, start, end, {
+            "status": row["status"], "num_prompt_tokens": row["num_prompt_tokens"],
+            "num_output_tokens": row["num_output_tokens"], "replica": self._replica_col})
+        st.trace_id = self.tracer.trace_request(rid, root, phases, tp)
+        row["trace_id"] = st.trace_id
+        st.row = row
+
+    def request_rows(self, finalize: bool = True) -> list[dict[str, Any]]:
+        """One dict per request: engine rows, gateway/client fields filling their columns.
+
+        Requests this process never ran (refused at the gateway; or this is the gateway)
+        get a row of their outer fields alone.
+        """
+        if not self.enabled:
+            return []
+        coll = self._collective_ns()
+        rows: dict[str, dict[str, Any]] = {}
+        for st in self._done:
+            if st.row is None:
+                self._build(st, coll)
+            rows[st.rid] = dict(st.row)
+        for rid, fields in self._outer.items():
+            if rid not in rows:
+                rows[rid] = {c: None for c in schema.REQUESTS.names}
+                rows[rid].update(request_id=rid, trace_id=self._gateway_traces.get(rid))
+            _fill(rows[rid], fields)
+        out = list(rows.values())
+        return [finalize_row(r) for r in out] if finalize else out
+
+    def tables(self, finalize: bool = True) -> dict[str, pa.Table]:
+        """Every bundle table of this recorder (empty ones included)."""
+        rep = self._replica_col
+        req_rows = self.request_rows(finalize)
+        steps = self._steps
+        coll = self._collective_ns()
+        step_cols = {
+            "step_id": [s.step_id for s in steps],
+            "replica": [rep] * len(steps),
+            "start_ns": [s.start_ns for s in steps],
+            "end_ns": [s.end_ns for s in steps],
+            **{a[:-3] + "_s": [getattr(s, a) / 1e9 for s in steps] for a in _PHASE_ATTRS},
+            "step_s": [(s.end_ns - s.start_ns) / 1e9 for s in steps],
+            **{c: [getattr(s, c) for s in steps] for c in (
+                "num_prefill_seqs", "num_prefill_tokens", "num_decode_seqs", "num_decode_tokens")},
+            "num_batched_tokens": [s.num_prefill_tokens + s.num_decode_tokens for s in steps],
+            **{c: [getattr(s, c) for s in steps] for c in (
+                "num_running", "num_waiting", "num_kv_blocks_free", "num_kv_blocks_total", "num_preemptions",
+                "num_prefix_queries", "num_prefix_hits")},
+            "collective_s": [coll.get(s.step_id, 0) / 1e9 for s in steps],
+            "request_ids": [s.request_ids for s in steps],
+            "request_num_tokens": [s.request_num_tokens for s in steps],
+        }
+        layers = [(sid, rep, name, ns / 1e9) for sid, rows in self._layer_times for name, ns in rows]
+        colls = [(r.step_id, rep, r.rank, r.op, r.name, r.num_bytes, r.start_ns, r.duration_ns / 1e9,
+                  r.wait_ns / 1e9) for r in self._collectives]
+        kernels = self.profiler.rows if self.profiler is not None else []
+        spans = self.tracer.rows if self.tracer is not None else []
+        return {
+            "requests": pa.Table.from_pylist(req_rows, schema=schema.REQUESTS),
+            "steps": pa.Table.from_pydict(step_cols, schema=schema.STEPS),
+            "layers": _from_rows(layers, schema.LAYER_TIMES),
+            "kernels": _from_rows(kernels, schema.KERNELS),
+            "collectives": _from_rows(colls, schema.COLLECTIVES),
+            "spans": _from_rows(spans, schema.SPANS),
+        }
+
+    def export(self) -> dict[str, Any]:
+        """Everything recorded, as plain data for another process's ``BundleWriter.add_export``
+        (tables as Arrow IPC bytes, request rows not finalized, metrics text, trace files' bytes)."""
+        from layerscope.probes.bundle import make_export
+
+        return make_export(self)
+
+    def metrics_text(self) -> str:
+        """The Prometheus exposition of this recorder's registry ('' when off)."""
+        if self.metrics is None:
+            return ""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.metrics.registry).decode()
+
+    def trace_files(self) -> list[Path]:
+        """Files under the trace directory (profiler Chrome traces, py-spy output)."""
+        if self.trace_dir is None or not self.trace_dir.is_dir():
+            return []
+        return sorted(p for p in self.trace_dir.iterdir() if p.is_file())
+
+    def _on_window(self, ratio: float) -> None:
+        self.metrics.child("layerscope_launch_gap_ratio").set(ratio)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._steps)
+
+    def shutdown(self) -> None:
+        """Release the tracer (flushes OTLP) and our temporary trace directory; call after writing."""
+        if self.tracer is not None:
+            self.tracer.shutdown()
+        if self._own_trace_dir and self.trace_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.trace_dir, ignore_errors=True)
+
+
+def _fill(row: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """Set ``fields`` into ``row`` where the row has no value yet (the engine's own values win)."""
+    for k, v in fields.items():
+        if v is not None and row.get(k) is None:
+            row[k] = v
+    return row
+
+
+def _from_rows(rows: list[tuple], sch: pa.Schema) -> pa.Table:
+    cols = list(zip(*rows)) if rows else [[] for _ in sch.names]
+    return pa.Table.from_arrays([pa.array(list(c), type=f.type) for c, f in zip(cols, sch)], schema=sch)

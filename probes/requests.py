@@ -1,0 +1,268 @@
+"""requests.parquet rows: lifecycle timestamps, token counts, latencies, TTFT decomposition.
+
+Rows are built in two stages so that a request served across processes (gateway in
+one, engine replica in another) is decomposed exactly once:
+
+1. ``engine_row`` (in the replica, from the request's event log and the steps it took
+   part in) fills the engine columns and decomposes the *engine window*
+   [engine_arrival_ns, engine_first_token_ns].
+2. ``finalize_row`` (where the gateway/client timestamps are known: the same recorder
+   offline, the bundle merge otherwise) adds the outer layers and the server-side and
+   client-side latencies. It reads only columns, so it runs on merged rows as well.
+
+TTFT decomposition (all intervals on the host's monotonic clock):
+
+* ``engine.queue``: [engine arrival, first scheduled].
+* ``engine.kv``: every preempted interval [preempted, resumed].
+* For each engine step the request took part in, up to the one that sampled its first
+  token, the step is cut into three slices: ``engine.schedule`` [start, start+schedule],
+  ``model.forward`` the prepare+forward+sample slice that ends where the output phase
+  begins, and ``engine.output`` [output start, end] (detokenization/streaming work of
+  the batch the request waited behind). The step's TP collective time (rank 0) moves
+  from ``model.forward`` to ``parallel.collective``.
+* Where slices overlap (the request is scheduled, or preempted, inside a step's
+  schedule phase) the queue/kv interval wins; each instant counts once.
+* Outer layers (``finalize_row``): ``gateway.queue`` [gateway arrival, admitted],
+  ``gateway.route`` [admitted, engine arrival] (router + IPC), and ``engine.output``
+  also gets [engine first token, gateway first token] (the way back out).
+* ``ttft_residual_s`` is the rest: gaps between steps (the request running but not
+  scheduled for lack of token budget), host time between the phases the engine
+  times. Components plus residual equal ``ttft_s`` by construction.
+
+Per-token times (ITL): a token's time is the end of the sampling phase of the step
+that produced it, except the first (the FIRST_TOKEN event) and the last of a finished
+request (the FINISHED event), so that ``itl_mean_s == tpot_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from layerscope.probes.schema import REQUESTS, TTFT_COMPONENTS
+
+if TYPE_CHECKING:  # no runtime import of the engine: bundle readers use this module
+    from layerscope.engine.recorder import StepRecord
+    from layerscope.engine.request import RequestEvent
+
+FINISH_REASONS = {"finished_stopped": "stop", "finished_length": "length", "finished_aborted": "abort"}
+COLUMNS = tuple(REQUESTS.names)
+# columns the gateway, router or client own; settable through the recorder / merge
+OUTER_FIELDS = (
+    "client_send_ns", "gateway_arrival_ns", "gateway_admitted_ns", "gateway_routed_ns",
+    "gateway_first_token_ns", "gateway_finished_ns", "client_first_token_ns", "client_done_ns",
+    "http_status", "status", "error", "replica",
+)
+_COMPONENT = dict(TTFT_COMPONENTS)  # layer -> column
+_ENGINE_LAYERS = ("engine.queue", "engine.schedule", "engine.kv", "model.forward", "parallel.collective",
+                  "engine.output")
+_PRIORITY = {"engine.kv": 2, "engine.queue": 2}  # request-state intervals win over step slices
+
+
+@dataclass
+class Phase:
+    """One span to create: ``layer`` is a schema.LAYERS id (None for a request root)."""
+
+    name: str
+    layer: str | None
+    start_ns: int  # monotonic
+    end_ns: int
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+def _events(events: "Sequence[RequestEvent]") -> dict[str, Any]:
+    """First arrival/scheduled/first_token/finished timestamps and the preempted intervals."""
+    out: dict[str, Any] = {"preempted": []}
+    start = None
+    for ev in events:
+        t = ev.type.value  # RequestEventType values
+        if t == "arrival":
+            out.setdefault("arrival", ev.ts_ns)
+        elif t == "scheduled":
+            out.setdefault("scheduled", ev.ts_ns)
+        elif t == "first_token":
+            out.setdefault("first_token", ev.ts_ns)
+        elif t == "preempted":
+            start = ev.ts_ns
+        elif t == "resumed" and start is not None:
+            out["preempted"].append((start, ev.ts_ns))
+            start = None
+        elif t in ("finished", "aborted"):
+            out.setdefault("finished", ev.ts_ns)
+    if start is not None:  # finished (aborted) while preempted
+        out["preempted"].append((start, out.get("finished", start)))
+    return out
+
+
+def _sweep(intervals: list[tuple[int, int, str]], lo: int, hi: int) -> dict[str, int]:
+    """Time per label over [lo, hi], each instant to the highest-priority interval covering it."""
+    cuts = sorted({lo, hi, *(min(max(t, lo), hi) for a, b, _ in intervals for t in (a, b))})
+    totals: dict[str, int] = {}
+    clipped = [(max(a, lo), min(b, hi), lab) for a, b, lab in intervals if min(b, hi) > max(a, lo)]
+    for x, y in zip(cuts, cuts[1:]):
+        best, prio = None, -1
+        for a, b, lab in clipped:
+            if a <= x and y <= b:
+                p = _PRIORITY.get(lab, 1)
+                if p > prio:
+                    best, prio = lab, p
+        if best is not None:
+            totals[best] = totals.get(best, 0) + (y - x)
+    return totals
+
+
+def engine_row(
+    request_id: str,
+    replica: int,
+    info: dict[str, Any],
+    events: "Sequence[RequestEvent]",
+    steps: "Sequence[StepRecord]",
+    step_idx: Sequence[int],
+    sampled_idx: Sequence[int],
+    collective_ns: dict[int, int],
+) -> tuple[dict[str, Any], list[Phase], list[int]]:
+    """The engine columns of one request, its engine-side span phases and per-token times (ns).
+
+    ``info``: status, num_prompt_tokens, num_cached_tokens, num_output_tokens,
+    num_preemptions, num_recomputed_tokens. ``step_idx``/``sampled_idx``: indices into
+    ``steps`` of the steps it took part in / sampled a token in. ``collective_ns``:
+    collective time per step id (rank 0).
+    """
+    ev = _events(events)
+    arrival, scheduled, first, finished = (ev.get(k) for k in ("arrival", "scheduled", "first_token", "finished"))
+    status = info["status"]
+    row: dict[str, Any] = {c: None for c in COLUMNS}
+    row.update(
+        request_id=request_id, replica=replica, status=status, finish_reason=FINISH_REASONS.get(status),
+        num_prompt_tokens=info["num_prompt_tokens"], num_cached_tokens=max(info["num_cached_tokens"], 0),
+        num_output_tokens=info["num_output_tokens"], num_preemptions=info["num_preemptions"],
+        num_recomputed_tokens=info["num_recomputed_tokens"], num_steps=len(step_idx),
+        engine_arrival_ns=arrival, engine_scheduled_ns=scheduled, engine_first_token_ns=first,
+        engine_finished_ns=finished,
+        preempted_s=sum(b - a for a, b in ev["preempted"]) / 1e9,
+    )
+    sampled = set(sampled_idx)
+    chunks = 0
+    for i in step_idx:
+        st = steps[i]
+        n = st.request_num_tokens[st.request_ids.index(request_id)]
+        if n > 1 or i not in sampled:  # exactly the scheduler's is_prefill
+            chunks += 1
+    row["num_prefill_chunks"] = chunks
+
+    # per-token times
+    token_ns = [steps[i].end_ns - steps[i].output_ns for i in sampled_idx]
+    if token_ns and first is not None:
+        token_ns[0] = first
+        if finished is not None and status != "finished_aborted" and len(token_ns) > 1:
+            token_ns[-1] = max(finished, token_ns[-2])
+    gaps = [b - a for a, b in zip(token_ns, token_ns[1:])]
+    if gaps:
+        row["itl_mean_s"] = sum(gaps) / len(gaps) / 1e9
+        row["itl_max_s"] = max(gaps) / 1e9
+
+    # engine-window TTFT decomposition
+    if arrival is not None and first is not None:
+        intervals: list[tuple[int, int, str]] = []
+        if scheduled is not None:
+            intervals.append((arrival, scheduled, "engine.queue"))
+        intervals += [(a, b, "engine.kv") for a, b in ev["preempted"]]
+        coll = 0
+        for i in step_idx:
+            st = steps[i]
+            if st.start_ns >= first:
+                break
+            t2 = st.end_ns - st.output_ns
+            intervals.append((st.start_ns, st.start_ns + st.schedule_ns, "engine.schedule"))
+            intervals.append((t2 - st.prepare_ns - st.forward_ns - st.sample_ns, t2, "model.forward"))
+            intervals.append((t2, st.end_ns, "engine.output"))
+            coll += collective_ns.get(st.step_id, 0)
+        totals = _sweep(intervals, arrival, first)
+        coll = min(coll, totals.get("model.forward", 0))
+        if coll:
+            totals["model.forward"] -= coll
+            totals["parallel.collective"] = coll
+        for layer, col in TTFT_COMPONENTS:
+            row[col] = totals.get(layer, 0) / 1e9 if layer in _ENGINE_LAYERS else None
+        row["ttft_residual_s"] = (first - arrival - sum(totals.values())) / 1e9
+
+    phases = _engine_phases(row, ev["preempted"], steps[step_idx[-1]].end_ns if step_idx else None)
+    return row, phases, token_ns
+
+
+def _engine_phases(row: dict[str, Any], preempted: list[tuple[int, int]], last_end_ns: int | None) -> list[Phase]:
+    arrival, sched, first, fin = (row[k] for k in ("engine_arrival_ns", "engine_scheduled_ns",
+                                                   "engine_first_token_ns", "engine_finished_ns"))
+    out: list[Phase] = []
+    if arrival is not None and sched is not None:
+        out.append(Phase("engine.queue", "engine.queue", arrival, sched))
+    if sched is not None and first is not None:
+        out.append(Phase("prefill", "model.forward", sched, first, {
+            "num_prompt_tokens": row["num_prompt_tokens"], "num_cached_tokens": row["num_cached_tokens"],
+            "num_prefill_chunks": row["num_prefill_chunks"]}))
+    if first is not None and fin is not None and (row["num_output_tokens"] or 0) > 1:
+        out.append(Phase("decode", "model.forward", first, fin, {"num_output_tokens": row["num_output_tokens"]}))
+    out += [Phase("engine.kv", "engine.kv", a, b, {"reason": "preempted"}) for a, b in preempted]
+    if fin is not None and last_end_ns is not None and last_end_ns >= fin:
+        out.append(Phase("engine.output", "engine.output", fin, last_end_ns))
+    return out
+
+
+def gateway_phases(row: dict[str, Any]) -> list[Phase]:
+    """Spans of the gateway's part of one request (from the outer timestamps)."""
+    arr, adm, routed, eng = (row.get(k) for k in ("gateway_arrival_ns", "gateway_admitted_ns",
+                                                  "gateway_routed_ns", "engine_arrival_ns"))
+    out: list[Phase] = []
+    if arr is not None and adm is not None:
+        out.append(Phase("gateway.queue", "gateway.queue", arr, adm))
+    route_end = eng if eng is not None else routed
+    if adm is not None and route_end is not None:
+        out.append(Phase("gateway.route", "gateway.route", adm, route_end))
+    g1, gfin = row.get("gateway_first_token_ns"), row.get("gateway_finished_ns")
+    if g1 is not None and gfin is not None:
+        out.append(Phase("gateway.stream", "engine.output", g1, gfin))
+    return out
+
+
+def _diff(a: int | None, b: int | None) -> float | None:
+    return None if a is None or b is None else (b - a) / 1e9
+
+
+def finalize_row(raw: dict[str, Any]) -> dict[str, Any]:
+    """Add outer-layer components and server/client latencies to an engine (or gateway-only) row.
+
+    Server side runs from gateway arrival when known, else engine arrival; the TTFT
+    components of the engine window are kept and the outer ones added around them.
+    """
+    row = {c: raw.get(c) for c in COLUMNS}
+    g_arr, g_adm = row["gateway_arrival_ns"], row["gateway_admitted_ns"]
+    e_arr, e_first, e_fin = row["engine_arrival_ns"], row["engine_first_token_ns"], row["engine_finished_ns"]
+    start = g_arr if g_arr is not None else e_arr
+    first = row["gateway_first_token_ns"] if row["gateway_first_token_ns"] is not None else e_first
+    done = row["gateway_finished_ns"] if row["gateway_finished_ns"] is not None else e_fin
+    row["ttft_s"] = _diff(start, first)
+    row["e2e_s"] = _diff(start, done) if first is not None else None
+    n = row["num_output_tokens"] or 0
+    row["tpot_s"] = (row["e2e_s"] - row["ttft_s"]) / (n - 1) if n >= 2 and row["e2e_s"] is not None else None
+    c_send = row["client_send_ns"]
+    row["client_ttft_s"] = _diff(c_send, row["client_first_token_ns"])
+    row["client_e2e_s"] = _diff(c_send, row["client_done_ns"]) if row["client_ttft_s"] is not None else None
+    if n >= 2 and row["client_e2e_s"] is not None:
+        row["client_tpot_s"] = (row["client_e2e_s"] - row["client_ttft_s"]) / (n - 1)
+    if row["ttft_s"] is None or row["ttft_residual_s"] is None:
+        for _, col in TTFT_COMPONENTS:
+            row[col] = None
+        row["ttft_residual_s"] = None
+        return row
+    if g_arr is not None and e_arr is not None:
+        q = _diff(g_arr, g_adm) if g_adm is not None else 0.0
+        row[_COMPONENT["gateway.queue"]] = q
+        row[_COMPONENT["gateway.route"]] = _diff(g_adm if g_adm is not None else g_arr, e_arr)
+    else:
+        row[_COMPONENT["gateway.queue"]] = row[_COMPONENT["gateway.route"]] = 0.0
+    if row["gateway_first_token_ns"] is not None and e_first is not None:
+        tail = _diff(e_first, row["gateway_first_token_ns"])
+        row[_COMPONENT["engine.output"]] = (row[_COMPONENT["engine.output"]] or 0.0) + tail
+    # the residual absorbs rounding: components + residual == ttft_s
+    row["ttft_residual_s"] = row["ttft_s"] - sum(row[c] or 0.0 for _, c in TTFT_COMPONENTS)
+    return row
