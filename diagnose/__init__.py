@@ -1,1 +1,40 @@
-"""layerscope.diagnose"""
+"""layerscope.diagnose: reads run bundles and says which layer made a run slower, and why.
+
+Headless: the CLI and the TUI call the same functions. It never imports the engine,
+torch or textual. The public API (imported lazily, so ``layerscope --help`` stays fast):
+
+* ``load_run(path) -> Run``: manifest + tables as DataFrames (RunError on a bad bundle)
+* ``RunAnalysis(run)``: cached per-run analyses (breakdown, indicators, layer rows, ...)
+* ``request_breakdown(run) -> DataFrame``: per-request TTFT/E2E/TPOT split per layer
+* ``summarize(run) -> dict``: the single-run report
+* ``compare(baseline, candidate) -> Comparison``: ``.diagnosis`` is the JSON of DESIGN.md
+* ``config_diff(a, b) -> DataFrame``, ``workload_diff(a, b) -> DataFrame``
+"""
+
+from layerscope.diagnose.errors import RunError
+
+_API = {
+    "load_run": "layerscope.diagnose.load",
+    "Run": "layerscope.diagnose.load",
+    "RunAnalysis": "layerscope.diagnose.analysis",
+    "request_breakdown": "layerscope.diagnose.decompose",
+    "tpot_breakdown": "layerscope.diagnose.decompose",
+    "summarize": "layerscope.diagnose.report",
+    "slowest_requests": "layerscope.diagnose.report",
+    "compare": "layerscope.diagnose.compare",
+    "Comparison": "layerscope.diagnose.compare",
+    "config_diff": "layerscope.diagnose.config_diff",
+    "workload_diff": "layerscope.diagnose.workload",
+    "detect": "layerscope.diagnose.detectors",
+}
+
+
+def __getattr__(name):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(name)
+
+
+__all__ = ["RunError", *_API]

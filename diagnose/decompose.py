@@ -14,9 +14,12 @@ Each request's life is walked as a timeline on the run's monotonic clock:
                                          preempted), else engine.queue (not scheduled: a stall)
     after its last step, to the end      engine.output (streaming back through the gateway)
 
-and the TTFT window [arrival, first token] and E2E window [arrival, last token] are
-clipped out of it. TPOT components are the decode window's (E2E - TTFT) divided by
-output_tokens - 1. Where the requests table carries recorded ``ttft_*`` components,
+and the TTFT window [arrival, first token], the E2E window [arrival, last token] and
+the decode window [first token, last token] are clipped out of it; TPOT components
+are the decode window's divided by output_tokens - 1. (A gap's label can depend on
+the window: the gap after the step that sampled the first token is engine.output
+inside TTFT, whose end is that token reaching the gateway, and host time between
+steps inside E2E.) Where the requests table carries recorded ``ttft_*`` components,
 those are used for TTFT. All durations in seconds; vectorised over memberships
 (one row per request per step), so 10,000 requests take well under a second.
 """
@@ -86,7 +89,8 @@ def request_breakdown(run: Run) -> pd.DataFrame:
     """One row per request: metrics and their per-layer components (seconds).
 
     Columns: request_id, replica, status, num_prompt_tokens, num_cached_tokens,
-    num_output_tokens, num_preemptions, ttft_s, tpot_s, e2e_s, client_s (client-observed
+    num_output_tokens, num_preemptions, arrival_s (from the run's first event), ttft_s,
+    tpot_s, e2e_s, client_s (client-observed
     TTFT minus server TTFT), then for metric in ttft/e2e/tpot: one ``{metric}_{layer}_s``
     per layer in COMPONENTS and ``{metric}_residual_s``; ttft_recorded (bool: the TTFT
     components come from the requests table), dominant_layer (largest E2E component).
@@ -125,20 +129,23 @@ def request_breakdown(run: Run) -> pd.DataFrame:
         first_start[ri[firsts]] = t0[firsts]
     bounds = {k: st[k].to_numpy()[si] for k in ("b1", "b2", "b3", "b4", "b5", "t_end_s")}
     cfrac = st["collective_frac"].to_numpy()[si]
+    kv = _preempted_intervals(run, origin)
+    if kv is not None:  # recorded preemption intervals replace the guess from recompute steps
+        next_recompute = np.zeros_like(next_recompute)
     mem = dict(ri=ri, t0=t0, next_start=next_start, skipped=skipped, recompute=recompute,
                next_recompute=next_recompute, cfrac=cfrac, **bounds)
-    pre = dict(gw_arr=gw_arr, gw_adm=gw_adm, en_arr=en_arr, start=start, first_start=first_start)
+    pre = dict(gw_arr=gw_arr, gw_adm=gw_adm, en_arr=en_arr, start=start, first_start=first_start, kv=kv)
 
     out = pd.DataFrame({
         "request_id": r["request_id"].to_numpy(), "replica": r["replica"].to_numpy(), "status": r["status"].to_numpy(),
         "num_prompt_tokens": r["num_prompt_tokens"].to_numpy(), "num_cached_tokens": r["num_cached_tokens"].to_numpy(),
         "num_output_tokens": r["num_output_tokens"].to_numpy(), "num_preemptions": r["num_preemptions"].to_numpy(),
-        "ttft_s": ttft, "tpot_s": r["tpot_s"].to_numpy(np.float64), "e2e_s": e2e,
+        "arrival_s": start, "ttft_s": ttft, "tpot_s": r["tpot_s"].to_numpy(np.float64), "e2e_s": e2e,
         "client_s": r["client_ttft_s"].to_numpy(np.float64) - ttft,
     })
     ttft_c = _window(n, pre, mem, start, start + ttft)
     e2e_c = _window(n, pre, mem, start, start + e2e)
-    decode_c = e2e_c - ttft_c
+    decode_c = _window(n, pre, mem, start + ttft, start + e2e)
     recorded_cols = [c for _, c in TTFT_COMPONENTS] + ["ttft_residual_s"]
     rec = r[recorded_cols].to_numpy(np.float64)
     has_rec = ~np.isnan(rec).any(axis=1)
@@ -165,12 +172,41 @@ def request_breakdown(run: Run) -> pd.DataFrame:
     return out
 
 
+def _preempted_intervals(run: Run, origin: float) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(request_row, start_s, end_s) of every recorded preemption (``engine.kv`` spans), or None."""
+    sp = run.spans
+    if sp.empty:
+        return None
+    kv = sp[(sp["layer"] == "engine.kv") & sp["request_id"].notna()]
+    if kv.empty:
+        return None
+    rows = pd.Index(run.requests["request_id"]).get_indexer(kv["request_id"])
+    ok = rows >= 0
+    return rows[ok], _sec(kv["start_ns"], origin)[ok], _sec(kv["end_ns"], origin)[ok]
+
+
+def _ov(x0, x1, lo, hi):
+    return np.nan_to_num(np.clip(np.minimum(x1, hi) - np.maximum(x0, lo), 0.0, None))
+
+
 def _window(n: int, pre: dict, mem: dict, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Seconds per component of each request's window [a, b]; shape [n, len(COMPONENTS)]."""
-    comps = np.zeros((n, len(COMPONENTS)))
+    comps = _window_steps(n, pre, mem, a, b)
+    if pre["kv"] is not None:
+        # a preempted request is in no step: its preempted time was labelled a stall (engine.queue)
+        kri, k0, k1 = pre["kv"]
+        kv = np.bincount(kri, weights=_ov(k0, k1, a[kri], b[kri]), minlength=n)
+        for src in ("engine.queue", "engine.schedule"):
+            moved = np.minimum(kv, comps[:, _IDX[src]])
+            comps[:, _IDX[src]] -= moved
+            comps[:, _IDX["engine.kv"]] += moved
+            kv = kv - moved
+    return comps
 
-    def ov(x0, x1, lo, hi):
-        return np.nan_to_num(np.clip(np.minimum(x1, hi) - np.maximum(x0, lo), 0.0, None))
+
+def _window_steps(n: int, pre: dict, mem: dict, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    comps = np.zeros((n, len(COMPONENTS)))
+    ov = _ov
 
     has_gw = ~np.isnan(pre["gw_arr"]) & ~np.isnan(pre["gw_adm"])
     comps[:, _IDX["gateway.queue"]] += np.where(has_gw, ov(pre["gw_arr"], pre["gw_adm"], a, b), 0.0)

@@ -1,10 +1,11 @@
 """Load a run bundle for diagnosis: manifest + tables as pandas DataFrames.
 
 diagnose reads bundles only (DESIGN.md, "The run bundle"); it never imports the
-engine. When ``layerscope.probes.bundle`` is present its reader validates the
-bundle; otherwise this module reads manifest.json and the Parquet tables named in
-``layerscope.probes.schema`` itself. Either way every failure is a ``RunError``
-(a ValueError, so the CLI turns it into exit code 2).
+engine. ``layerscope.probes.bundle.read_bundle`` cannot be used here because that
+module imports ``layerscope.engine`` (through probes.requests); the checks below are
+the same as its: manifest keys, format and schema version, every table of
+``layerscope.probes.schema`` present with its columns and types, metrics.prom. Every
+failure is a ``RunError`` (a ValueError, so the CLI turns it into exit code 2).
 
 The manifest handed out has no ``faults`` key: diagnose must find the layer from
 measurements alone, so the injected faults are dropped on load.
@@ -25,7 +26,7 @@ import pyarrow.parquet as pq
 
 from layerscope.probes import schema
 
-REQUIRED_TABLES = ("requests", "steps")
+METRICS_FILE = "metrics.prom"
 
 
 class RunError(ValueError):
@@ -79,21 +80,19 @@ def load_run(path: str | Path) -> Run:
         raise RunError(f"{p}: no such run bundle")
     if not p.is_dir():
         raise RunError(f"{p}: a run bundle is a directory (manifest.json + Parquet tables)")
-    _validate_with_probes(p)
     manifest = _read_manifest(p)
     tables: dict[str, pa.Table] = {}
     for name, sch in schema.TABLES.items():
         f = p / f"{name}.parquet"
-        if not f.exists():
-            if name in REQUIRED_TABLES:
-                raise RunError(f"{p}: missing {name}.parquet (is this a run bundle recorded with probes on?)")
-            tables[name] = sch.empty_table()
-            continue
+        if not f.is_file():
+            raise RunError(f"{f}: missing table {name!r} (not a complete run bundle)")
         try:
             t = pq.read_table(f)
-        except Exception as e:  # pyarrow raises several types for corrupt files
-            raise RunError(f"{f}: unreadable Parquet ({e})") from None
+        except (pa.ArrowException, OSError) as e:
+            raise RunError(f"{f}: corrupt or truncated Parquet file ({e})") from None
         tables[name] = _conform(t, sch, f)
+    if not (p / METRICS_FILE).is_file():
+        raise RunError(f"{p / METRICS_FILE}: missing (not a complete run bundle)")
     steps = tables["steps"]
     membership = None
     if steps.num_rows:
@@ -122,39 +121,29 @@ def _read_manifest(p: Path) -> dict[str, Any]:
         raise RunError(f"{f}: manifest is not a JSON object")
     if manifest.get("format") != schema.BUNDLE_FORMAT:
         raise RunError(f"{f}: format is {manifest.get('format')!r}, expected {schema.BUNDLE_FORMAT!r}")
-    if manifest.get("schema_version") != schema.SCHEMA_VERSION:
-        raise RunError(f"{f}: schema_version {manifest.get('schema_version')!r} is not supported "
-                       f"(this layerscope reads version {schema.SCHEMA_VERSION})")
+    v = manifest.get("schema_version")
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= schema.SCHEMA_VERSION:
+        raise RunError(f"{f}: schema_version {v!r} is not supported (this layerscope reads 1..{schema.SCHEMA_VERSION}; "
+                       "upgrade layerscope to read newer bundles)")
+    missing = [k for k in schema.MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise RunError(f"{f}: missing keys {', '.join(missing)}")
     manifest.pop("faults", None)  # never read by diagnose: it must find the layer from measurements
     return manifest
 
 
-def _validate_with_probes(p: Path) -> None:
-    """Use probes' reader for validation when it exists (it owns the contract)."""
-    try:
-        from layerscope.probes import bundle
-    except ImportError:
-        return
-    try:
-        bundle.read_bundle(p)
-    except bundle.BundleError as e:
-        raise RunError(str(e)) from None
-
-
 def _conform(t: pa.Table, sch: pa.Schema, f: Path) -> pa.Table:
-    """Select the schema's columns in order; a missing column is null, a wrong type is cast."""
+    """Select the schema's columns in order; an all-null column is cast to the schema's type."""
     cols = []
     for fld in sch:
-        if fld.name in t.column_names:
-            c = t.column(fld.name)
-            if c.type != fld.type:
-                try:
-                    c = c.cast(fld.type)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-                    raise RunError(f"{f}: column {fld.name} has type {c.type}, expected {fld.type}") from None
-            cols.append(c)
-        else:
-            cols.append(pa.nulls(t.num_rows, fld.type))
+        if fld.name not in t.column_names:
+            raise RunError(f"{f}: column {fld.name!r} is missing")
+        c = t.column(fld.name)
+        if not c.type.equals(fld.type):
+            if c.type != pa.null():
+                raise RunError(f"{f}: column {fld.name!r} is {c.type}, expected {fld.type}")
+            c = pa.nulls(t.num_rows, fld.type)
+        cols.append(c)
     return pa.Table.from_arrays(cols, schema=sch)
 
 

@@ -36,7 +36,8 @@ ORIGIN_NS = 10**12
 @dataclass
 class SynthSpec:
     num_requests: int = 200
-    seed: int = 0
+    seed: int = 0  # the workload (arrivals, lengths)
+    noise_seed: int | None = None  # the timing noise; None: same as seed
     # workload
     arrival_rate_per_s: float = 50.0
     burstiness_cv: float = 1.0  # coefficient of variation of inter-arrival times (1 = Poisson)
@@ -96,9 +97,9 @@ class SynthSpec:
 
 def generate(spec: SynthSpec, out: str | Path, run_id: str | None = None) -> Path:
     """Simulate ``spec`` and write a run bundle at ``out``; returns the path."""
-    rng = np.random.default_rng(spec.seed)
+    reqs = _make_requests(spec, np.random.default_rng(spec.seed))
+    rng = np.random.default_rng(spec.seed if spec.noise_seed is None else spec.noise_seed + 7919)
     run_factor = float(np.exp(rng.normal(0, spec.run_noise))) if spec.run_noise else 1.0
-    reqs = _make_requests(spec, rng)
     steps: list[dict[str, Any]] = []
     layer_rows: list[tuple] = []
     kernel_rows: list[tuple] = []
@@ -143,7 +144,7 @@ def _make_requests(spec: SynthSpec, rng) -> list[dict[str, Any]]:
                          send=send[i], gw_arrival=gw_arr, admitted=admitted, routed=admitted + spec.route_s / 2,
                          engine_arrival=arr, computed=0, generated=0, blocks=0, cached=None, first_sched=None,
                          first_token=None, finished=None, preempted_at=None, preempted_s=0.0, num_preemptions=0,
-                         recomputed=0, num_steps=0, chunks=0, steps_ids=[]))
+                         recomputed=0, num_steps=0, chunks=0, preempted=[]))
     return reqs
 
 
@@ -218,6 +219,7 @@ def _simulate(spec, reqs, replica, rng, run_factor, steps, layer_rows, kernel_ro
                 r["cached"] = cached
             if r["preempted_at"] is not None:
                 r["preempted_s"] += t - r["preempted_at"]
+                r["preempted"].append((r["preempted_at"], t))
                 r["preempted_at"] = None
             r["computed"] = start
             free -= need
@@ -313,9 +315,18 @@ def _kernels(spec, step_id, replica, t0, compute_s, gaps_s, n_ops, rows) -> None
     w = np.array([0.02] + list(_OP_WEIGHTS) * spec.num_layers + [0.01, 0.07])
     dur = compute_s * w / w.sum()
     gap = gaps_s / (n_ops - 1)
+    # an injected layer delay sleeps after the row's last op: the device idles before the next one
+    extra = np.zeros(len(names) + 1)
+    for row, delay in spec.layer_delay_s.items():
+        last = {"embed": 0, "norm": len(names) - 2, "lm_head": len(names) - 1}.get(row)
+        if row.startswith("layers."):
+            _, i, kind = row.split(".")
+            last = 1 + 10 * int(i) + (5 if kind == "attn" else 9)
+        if last is not None:
+            extra[min(last + 1, len(names) - 1)] += delay
     t = t0
     for i, name in enumerate(names):
-        g = None if i == 0 else gap
+        g = None if i == 0 else gap + extra[i]
         t += g or 0.0
         cat = "memory" if name in ("kv_write", "embedding") else "compute"
         rows.append((step_id // 50, step_id, replica, name, cat, int(round(t * 1e9)), float(dur[i]), g))
@@ -370,7 +381,9 @@ def _write(spec, out, run_id, reqs, steps, layer_rows, kernel_rows, coll_rows) -
     _write_rows(out / "kernels.parquet", schema.KERNELS, kernel_rows)
     coll_rows = [(s, rep, rank, op, n, b, ORIGIN_NS + t, d, w) for (s, rep, rank, op, n, b, t, d, w) in coll_rows]
     _write_rows(out / "collectives.parquet", schema.COLLECTIVES, coll_rows)
-    _write_rows(out / "spans.parquet", schema.SPANS, [])
+    spans = [(None, f"kv-{r['request_id']}-{i}", None, "preempted", "engine.kv", r["request_id"], _ns(p0), _ns(p1),
+              "{}") for r in reqs for i, (p0, p1) in enumerate(r["preempted"])]
+    _write_rows(out / "spans.parquet", schema.SPANS, spans)
     config = dict(CONFIG_DEFAULTS, max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                   num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
                   enable_chunked_prefill=spec.enable_chunked_prefill,
@@ -405,6 +418,8 @@ def _write(spec, out, run_id, reqs, steps, layer_rows, kernel_rows, coll_rows) -
         "start_ns": ORIGIN_NS, "end_ns": _ns(max(ends) if ends else 0.0), "start_time": "1970-01-01T00:00:00Z",
         "summary": {"requests": len(reqs)},
     }
+    (out / "metrics.prom").write_text("")
+    (out / "traces").mkdir(exist_ok=True)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
 

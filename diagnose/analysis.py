@@ -1,0 +1,157 @@
+"""RunAnalysis: a thin facade that computes each analysis of one run once.
+
+The analyses themselves are functions from DataFrames to DataFrames (decompose,
+model); this class only caches them and derives the run-level indicators the
+detectors and the comparison's cause rules read. All durations in seconds.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerscope.diagnose import decompose, model
+from layerscope.diagnose.load import Run, load_run
+
+
+class RunAnalysis:
+    def __init__(self, run: Run | str):
+        self.run = load_run(run) if isinstance(run, str) else run
+
+    @property
+    def name(self) -> str:
+        return self.run.name
+
+    @cached_property
+    def breakdown(self) -> pd.DataFrame:
+        """decompose.request_breakdown: one row per request, components per layer."""
+        return decompose.request_breakdown(self.run)
+
+    @cached_property
+    def ok(self) -> pd.DataFrame:
+        """Requests that finished with at least one token (the latency population), in arrival order."""
+        bd = self.breakdown
+        ok = bd[bd["status"].fillna("").str.startswith("finished") & bd["e2e_s"].notna()]
+        return ok.sort_values("arrival_s", kind="stable")
+
+    @cached_property
+    def steps(self) -> pd.DataFrame:
+        return decompose.step_frame(self.run)
+
+    @cached_property
+    def layer_rows(self) -> pd.DataFrame:
+        return model.layer_rows(self.run)
+
+    @cached_property
+    def kernel_summary(self) -> dict[str, float]:
+        return model.kernel_summary(self.run)
+
+    @cached_property
+    def forward_fit(self) -> dict[str, float]:
+        return model.forward_fit(self.run)
+
+    @cached_property
+    def collective_ranks(self) -> pd.DataFrame:
+        return model.collective_ranks(self.run)
+
+    @cached_property
+    def tpot_breakdown(self) -> pd.DataFrame:
+        return decompose.tpot_breakdown(self.run, self.breakdown)
+
+    def cfg(self, key: str, default: Any = None) -> Any:
+        c = self.run.config
+        if key.startswith("gateway."):
+            return (c.get("gateway") or {}).get(key.split(".", 1)[1], default)
+        return c.get(key, default)
+
+    @cached_property
+    def busy_s(self) -> float:
+        """The busy interval: first arrival to last token (seconds)."""
+        bd, st = self.breakdown, self.steps
+        r = self.run.requests
+        start = r["gateway_arrival_ns"].where(r["gateway_arrival_ns"].notna(), r["engine_arrival_ns"])
+        end = start + bd["e2e_s"] * 1e9
+        lo = np.nanmin(start.to_numpy(np.float64)) if start.notna().any() else np.nan
+        hi = np.nanmax(end.to_numpy(np.float64)) if end.notna().any() else np.nan
+        span = (hi - lo) / 1e9 if np.isfinite(hi - lo) else 0.0
+        if span <= 0 and len(st):
+            span = float(st["t_end_s"].max() - st["t_start_s"].min())
+        return float(span)
+
+    @cached_property
+    def indicators(self) -> dict[str, float]:
+        """Run-level figures (counts, fractions of steps, seconds) for detectors and cause rules."""
+        s = self.run.steps
+        r = self.run.requests
+        ok = self.ok
+        n_steps = len(s)
+        out: dict[str, float] = {"num_requests": len(r), "num_finished": len(ok), "num_steps": n_steps,
+                                 "busy_s": self.busy_s,
+                                 "num_replicas": int(r["replica"].nunique()) if r["replica"].notna().any() else 1}
+        out_tokens = float(ok["num_output_tokens"].sum())
+        out["output_tokens"] = out_tokens
+        out["output_tokens_per_s"] = out_tokens / self.busy_s if self.busy_s > 0 else np.nan
+
+        def frac(mask) -> float:
+            return float(np.mean(mask)) if n_steps else np.nan
+
+        step_s = s["step_s"].to_numpy(np.float64)
+        host = self.steps["host_s"].to_numpy() + np.nan_to_num(s["output_s"].to_numpy(np.float64))
+        out["step_s_mean"] = float(np.nanmean(step_s)) if n_steps else np.nan
+        for c in ("schedule_s", "prepare_s", "forward_s", "sample_s", "output_s", "collective_s"):
+            out[f"{c}_mean"] = float(s[c].mean()) if n_steps and s[c].notna().any() else np.nan
+        out["host_share"] = float(np.nansum(host) / np.nansum(step_s)) if n_steps and np.nansum(step_s) > 0 else np.nan
+        waiting = s["num_waiting"].fillna(0).to_numpy() > 0
+        total = s["num_kv_blocks_total"].to_numpy(np.float64)
+        free = s["num_kv_blocks_free"].to_numpy(np.float64)
+        out["kv_exhausted_frac"] = frac(free <= np.maximum(1.0, 0.01 * np.nan_to_num(total)))
+        out["kv_free_frac_min"] = float(np.nanmin(free / total)) if n_steps and np.nanmax(total) > 0 else np.nan
+        out["num_preemptions"] = float(s["num_preemptions"].sum())
+        computed = float(s["num_batched_tokens"].sum())
+        out["recomputed_token_frac"] = float(r["num_recomputed_tokens"].sum()) / computed if computed else 0.0
+        max_seqs = self.cfg("max_num_seqs")
+        running = s["num_running"].fillna(0).to_numpy()
+        out["seqs_capped_frac"] = frac((running >= max_seqs) & waiting) if max_seqs else np.nan
+        budget = self.cfg("max_num_batched_tokens")
+        batched = s["num_batched_tokens"].fillna(0).to_numpy()
+        out["budget_capped_frac"] = frac((batched >= 0.9 * budget) & waiting) if budget else np.nan
+        out["waiting_frac"] = frac(waiting)
+        q = float(s["num_prefix_queries"].sum())
+        out["prefix_hit_rate"] = float(s["num_prefix_hits"].sum()) / q if q > 0 else np.nan
+        prompt = float(ok["num_prompt_tokens"].sum())
+        out["cached_token_frac"] = float(ok["num_cached_tokens"].sum()) / prompt if prompt else np.nan
+        out["prompt_tokens_mean"] = float(ok["num_prompt_tokens"].mean()) if len(ok) else np.nan
+        out["prefill_tokens_per_request"] = float(s["num_prefill_tokens"].sum()) / max(len(r), 1)
+        out["prefill_tokens_share"] = float(s["num_prefill_tokens"].sum()) / computed if computed else np.nan
+        # router: share of requests (and of engine.queue time) per replica
+        if out["num_replicas"] > 1:
+            counts = r["replica"].value_counts(normalize=True)
+            out["replica_share_max"] = float(counts.max() * len(counts))
+            q_by = ok.groupby("replica")[decompose.col("ttft", "engine.queue")].mean()
+            out["replica_queue_s_max"] = float(q_by.max())
+            out["replica_queue_s_min"] = float(q_by.min())
+        else:
+            out["replica_share_max"] = 1.0
+        ks = self.kernel_summary
+        out["kernel_gap_share"] = ks["gap_share"]
+        out["kernel_compute_s"] = ks["compute_s"]
+        out["kernel_gap_s"] = ks["gap_s"]
+        cr = self.collective_ranks
+        if not cr.empty:
+            out["collective_wait_share_max"] = float(cr["wait_share"].max())
+            out["collective_wait_share_min"] = float(cr["wait_share"].min())
+            out["collective_wait_s_mean"] = float(cr["wait_s_mean"].max())
+        tb = self.tpot_breakdown
+        tp = tb["tpot_s"].to_numpy(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out["tpot_interference_share"] = float(np.nanmean(tb["tpot_prefill_interference_s"] / tp)) if len(tb) else np.nan
+            out["tpot_stall_share"] = float(np.nanmean(tb["tpot_stall_s"] / tp)) if len(tb) else np.nan
+        # prefill chunks beyond the minimum the token budget requires
+        if budget and len(ok):
+            need = np.ceil((ok["num_prompt_tokens"] - ok["num_cached_tokens"].fillna(0)).clip(lower=1) / budget)
+            chunks = r.loc[ok.index, "num_prefill_chunks"]
+            out["prefill_chunk_excess_frac"] = float(np.mean(chunks >= 2 * need + 1))
+        return out

@@ -1,0 +1,370 @@
+"""Attribution: split a metric's change into layers, then name the layer that caused it.
+
+Step 1, accounting (``quantile_components``, ``throughput_components``): the requests
+around the same quantile in both runs (e.g. ranks 40-60% for p50) are averaged per
+component; the component deltas plus a residual sum exactly to the quantile's
+delta. Throughput is attributed as seconds per output token, split by step phase.
+
+Step 2, causes (``Causes.explain``): the layer where time was *spent* is not always the
+layer that *caused* it. Queue time grows when KV blocks run out (engine.kv), when
+the router overloads one replica (gateway.route), when admission is capped
+(engine.queue) or when every step got slower (the slower phase's layer); model time
+grows in one layer row (model.forward), in kernels or launch gaps
+(kernel.compute / kernel.launch_gap, from profiler windows or, failing those, from how
+forward time scales with batch tokens), or because steps carry more tokens (the
+batch composition: prefix cache, recomputation, config or workload). Each rule
+needs evidence from both runs' measurements and returns it as text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from layerscope.diagnose import model
+from layerscope.diagnose.analysis import RunAnalysis
+from layerscope.diagnose.decompose import COMPONENTS, col
+
+WINDOWS = {0.5: (0.4, 0.6), 0.9: (0.85, 0.95), 0.99: (0.97, 1.0)}
+STEP_PHASES = ("engine.schedule", "model.forward", "parallel.collective", "engine.output")
+
+
+def quantile_components(base: pd.DataFrame, cand: pd.DataFrame, metric: str, q: float) -> pd.DataFrame:
+    """Per-layer change of ``metric`` (ttft | tpot | e2e) around quantile ``q``.
+
+    Columns: layer, baseline_s, candidate_s, delta_s, share (of the quantile's delta).
+    The last row, ``residual``, makes delta_s sum exactly to the quantile delta.
+    """
+    vb, vc = _window_means(base, metric, q), _window_means(cand, metric, q)
+    qb = float(np.nanquantile(base[f"{metric}_s"], q)) if base[f"{metric}_s"].notna().any() else math.nan
+    qc = float(np.nanquantile(cand[f"{metric}_s"], q)) if cand[f"{metric}_s"].notna().any() else math.nan
+    rows = [(layer, vb[layer], vc[layer], vc[layer] - vb[layer]) for layer in COMPONENTS]
+    explained = sum(r[3] for r in rows)
+    rows.append(("residual", qb - sum(vb.values()), qc - sum(vc.values()), (qc - qb) - explained))
+    df = pd.DataFrame(rows, columns=["layer", "baseline_s", "candidate_s", "delta_s"])
+    d = qc - qb
+    df["share"] = df["delta_s"] / d if d else math.nan
+    return df
+
+
+def _window_means(bd: pd.DataFrame, metric: str, q: float) -> dict[str, float]:
+    v = bd[f"{metric}_s"].to_numpy(np.float64)
+    ok = ~np.isnan(v)
+    lo, hi = WINDOWS.get(q, (max(q - 0.05, 0.0), min(q + 0.05, 1.0)))
+    ranks = pd.Series(v[ok]).rank(pct=True, method="first").to_numpy()
+    sel = (ranks >= lo) & (ranks <= hi)
+    if sel.sum() < 5:  # too few requests: the 5 nearest the quantile
+        target = np.nanquantile(v[ok], q)
+        sel = np.zeros(ok.sum(), bool)
+        sel[np.argsort(np.abs(v[ok] - target))[:5]] = True
+    rows = bd[ok][sel]
+    return {layer: float(rows[col(metric, layer)].mean()) for layer in COMPONENTS}
+
+
+def throughput_components(a: RunAnalysis) -> dict[str, float]:
+    """Seconds of wall time per output token, by step phase, plus ``idle`` (no step
+    running: waiting for requests). Sums to 1 / output_tokens_per_s."""
+    s = a.run.steps
+    st = a.steps
+    tokens = a.indicators["output_tokens"]
+    reps = max(a.indicators["num_replicas"], 1)
+    if not tokens or a.busy_s <= 0:
+        return {k: math.nan for k in (*STEP_PHASES, "idle")}
+    fwd = np.nan_to_num(s["forward_s"].to_numpy(np.float64))
+    coll = fwd * st["collective_frac"].to_numpy()
+    parts = {
+        "engine.schedule": float(st["host_s"].sum()),
+        "model.forward": float((fwd - coll).sum() + np.nansum(s["sample_s"])),
+        "parallel.collective": float(coll.sum()),
+        "engine.output": float(np.nansum(s["output_s"])),
+    }
+    out = {k: v / reps / tokens for k, v in parts.items()}
+    out["idle"] = a.busy_s / tokens - sum(out.values())
+    return out
+
+
+@dataclass
+class Part:
+    """Part of a component's delta blamed on one layer, with the reason."""
+
+    layer: str
+    delta_s: float
+    cause: str
+    evidence: list[str] = field(default_factory=list)
+
+
+def ms(x: float) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x * 1e3:.3g} ms" if abs(x) < 1 else f"{x:.3g} s"
+
+
+def pct(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{100 * x:.0f}%"
+
+
+class Causes:
+    """Cause rules for one baseline/candidate pair (both runs' analyses + their diffs)."""
+
+    def __init__(self, a: RunAnalysis, b: RunAnalysis, changed_keys: set[str], workload_changed: bool,
+                 hardware_changed: bool):
+        self.a, self.b = a, b
+        self.ia, self.ib = a.indicators, b.indicators
+        self.keys = changed_keys
+        self.workload_changed = workload_changed
+        self.hardware_changed = hardware_changed
+        self.phase = self._phase_deltas()
+        base_step = self.ia.get("step_s_mean") or math.nan
+        up = sum(max(v, 0.0) for v in self.phase.values())
+        self.slowdown = up / base_step if base_step and base_step > 0 else 0.0
+
+    # ---- per-step service time at equal batch composition ----
+    def _phase_deltas(self) -> dict[str, float]:
+        ia, ib = self.ia, self.ib
+        sb = self.b.run.steps
+        fit = self.a.forward_fit
+        tokens_b = float(sb["num_batched_tokens"].mean()) if len(sb) else math.nan
+        fwd_b = ib.get("forward_s_mean", math.nan) - _z(ib.get("collective_s_mean"))
+        if not math.isnan(fit["per_token_s"]):
+            expected = fit["intercept_s"] + fit["per_token_s"] * tokens_b
+        else:
+            expected = ia.get("forward_s_mean", math.nan) - _z(ia.get("collective_s_mean"))
+        host_a = float(self.a.steps["host_s"].mean()) if len(self.a.steps) else math.nan
+        host_b = float(self.b.steps["host_s"].mean()) if len(self.b.steps) else math.nan
+        return {
+            "engine.schedule": _z(host_b - host_a),
+            "model.forward": _z(fwd_b - expected) + _z(ib.get("sample_s_mean", 0) - ia.get("sample_s_mean", 0)),
+            "parallel.collective": _z(_z(ib.get("collective_s_mean")) - _z(ia.get("collective_s_mean"))),
+            "engine.output": _z(ib.get("output_s_mean", 0) - ia.get("output_s_mean", 0)),
+        }
+
+    def explain(self, layer: str, delta_s: float, metric: str) -> list[Part]:
+        """Blame ``delta_s`` seconds measured in ``layer`` on the layer(s) that caused it."""
+        if layer == "engine.queue" or (layer == "idle" and not self.workload_changed):
+            return self._queue(delta_s, layer)
+        if layer == "idle":
+            return [Part("workload", delta_s, "the engine sat idle waiting for requests: the offered load changed")]
+        if layer == "model.forward":
+            return self._forward(delta_s)
+        if layer == "engine.kv":
+            return [Part("engine.kv", delta_s, "time lost to preemption (waiting preempted, recomputing)",
+                         self._kv_evidence())]
+        if layer == "gateway.queue":
+            return [Part("gateway.queue", delta_s, "requests wait longer for admission at the gateway",
+                         [f"gateway.queue {self._req_p50('gateway.queue')}"])]
+        if layer == "gateway.route":
+            return [Part("gateway.route", delta_s, "the router decision / hand-off to the replica got slower",
+                         [f"gateway.route {self._req_p50('gateway.route')}"] + self._router_evidence())]
+        if layer == "engine.schedule":
+            return [Part("engine.schedule", delta_s, "host time per step (scheduling, input preparation) grew",
+                         [f"host time per step {ms(self.ia['schedule_s_mean'] + _z(self.ia['prepare_s_mean']))} -> "
+                          f"{ms(self.ib['schedule_s_mean'] + _z(self.ib['prepare_s_mean']))}",
+                          f"host share of step time {pct(self.ia['host_share'])} -> {pct(self.ib['host_share'])}"])]
+        if layer == "parallel.collective":
+            return [Part("parallel.collective", delta_s, "tensor-parallel collectives got slower",
+                         self._collective_evidence())]
+        if layer == "engine.output":
+            return [Part("engine.output", delta_s, "output processing / streaming back got slower",
+                         [f"output phase per step {ms(self.ia['output_s_mean'])} -> {ms(self.ib['output_s_mean'])}"])]
+        return [Part(layer, delta_s, f"time in {layer} changed")]
+
+    # ---- queueing ----
+    def _queue(self, d: float, measured: str) -> list[Part]:
+        ia, ib = self.ia, self.ib
+        where = "in the engine's waiting queue" if measured == "engine.queue" else "with the engine idle"
+        if ib["num_replicas"] > 1 and ib["replica_share_max"] - ia["replica_share_max"] >= 0.15:
+            return [Part("gateway.route", d, f"the router sends more requests to one replica; they wait {where}",
+                         self._router_evidence())]
+        kv_keys = {"num_kv_blocks", "block_size", "kv_cache_memory_bytes", "resolved.num_kv_blocks"} & self.keys
+        kv_worse = (ib["kv_exhausted_frac"] - ia["kv_exhausted_frac"] >= 0.05
+                    or ib["num_preemptions"] > 2 * ia["num_preemptions"] + 5)
+        if kv_worse and (kv_keys or self.slowdown < 0.1):
+            return [Part("engine.kv", d, f"KV cache exhausted: requests wait {where} for free blocks and get preempted",
+                         self._kv_evidence())]
+        if self._prefix_lost():
+            return [Part("engine.kv", d, "prefix-cache hits dropped: every prompt is prefilled in full, so requests "
+                         "wait longer for the busier engine", self._prefix_evidence())]
+        seqs_up = ib["seqs_capped_frac"] - ia["seqs_capped_frac"] >= 0.1
+        if seqs_up and ("max_num_seqs" in self.keys or self.slowdown < 0.1):
+            return [Part("engine.queue", d, "admission capped by max_num_seqs: the running batch is full while "
+                         "requests wait", [f"running = max_num_seqs with requests waiting on "
+                                           f"{pct(ia['seqs_capped_frac'])} -> {pct(ib['seqs_capped_frac'])} of steps"])]
+        budget_up = ib["budget_capped_frac"] - ia["budget_capped_frac"] >= 0.1
+        if budget_up and ("max_num_batched_tokens" in self.keys or self.slowdown < 0.1):
+            return [Part("engine.queue", d, "admission capped by the token budget (max_num_batched_tokens)",
+                         [f"steps at the token budget with requests waiting {pct(ia['budget_capped_frac'])} -> "
+                          f"{pct(ib['budget_capped_frac'])}"])]
+        if self.workload_changed:
+            return [Part("workload", d, f"the offered load changed; requests wait {where}")]
+        if self.slowdown >= 0.1:
+            parts = self._slowdown_parts(d, f"requests queue longer {where}")
+            if parts:
+                return parts
+        return [Part("engine.queue" if measured == "engine.queue" else "workload", d,
+                     f"requests wait longer {where} with no capacity limit or slower step to explain it",
+                     [f"steps with requests waiting {pct(ia['waiting_frac'])} -> {pct(ib['waiting_frac'])}"])]
+
+    def _slowdown_parts(self, d: float, effect: str) -> list[Part]:
+        """Split ``d`` over the step phases that got slower at equal batch size."""
+        up = {k: v for k, v in self.phase.items() if v > 0}
+        total = sum(up.values())
+        parts = []
+        for layer, v in sorted(up.items(), key=lambda kv: -kv[1]):
+            if v / total < 0.05:
+                continue
+            for p in self.explain(layer, d * v / total, "step"):
+                p.cause = f"every step got slower, so {effect} ({p.cause})"
+                p.evidence = [f"{layer} +{ms(v)} per step at equal batch size"] + p.evidence
+                parts.append(p)
+        if parts:
+            scale = d / sum(p.delta_s for p in parts)
+            for p in parts:
+                p.delta_s *= scale
+        return parts
+
+    # ---- model time ----
+    def _forward(self, d: float) -> list[Part]:
+        ia, ib = self.ia, self.ib
+        fwd_slow = self.phase["model.forward"]
+        base_fwd = ia.get("forward_s_mean") or math.nan
+        normalized = fwd_slow / base_fwd if base_fwd > 0 else 0.0
+        if normalized < 0.1:  # steps are not slower per token: they carry more tokens
+            comp = self._composition(d)
+            return comp if isinstance(comp, list) else [comp]
+        fa = self.a.forward_fit
+        scale = 1.0
+        if not math.isnan(fa["per_token_s"]):
+            ta, tb = model.timed_tokens_mean(self.a.run), model.timed_tokens_mean(self.b.run)
+            ea, eb = fa["intercept_s"] + fa["per_token_s"] * ta, fa["intercept_s"] + fa["per_token_s"] * tb
+            scale = eb / ea if ea > 0 else 1.0
+        rows = model.layer_row_deltas(self.a.run, self.b.run, scale)
+        rows = rows[rows["name"] != "sampler"]
+        if not rows.empty:
+            pos = rows[rows["delta_s"] > 0]
+            total = pos["delta_s"].sum()
+            top = rows.iloc[0]
+            if total > 0 and top["delta_s"] >= 0.5 * total and top["delta_s"] >= 0.3 * top["baseline_s"]:
+                ev = [f"{r.name} {ms(r.baseline_s)} -> {ms(r.candidate_s)} per timed step (at equal batch size)"
+                      for r in pos.head(3).itertuples()]
+                return [Part("model.forward", d, f"one layer row got slower: {top['name']}", ev)]
+        ka, kb = self.a.kernel_summary, self.b.kernel_summary
+        if ka["num_steps"] and kb["num_steps"]:
+            # gaps per forward barely depend on the batch; compute does, so take it from the
+            # forward slowdown at equal batch size minus the gap change
+            dg = kb["gap_s"] - ka["gap_s"]
+            dc = fwd_slow - max(dg, 0.0)
+            ev = [f"launch gaps per profiled forward {ms(ka['gap_s'])} -> {ms(kb['gap_s'])} "
+                  f"({pct(ka['gap_share'])} -> {pct(kb['gap_share'])} of forward)",
+                  f"kernel compute per profiled forward {ms(ka['compute_s'])} -> {ms(kb['compute_s'])}; "
+                  f"forward +{ms(fwd_slow)} per step at equal batch size"]
+            up = max(dc, 0) + max(dg, 0)
+            if up > 0:
+                parts = []
+                if dg > 0 and dg / up >= 0.1:
+                    parts.append(Part("kernel.launch_gap", d * dg / up, "device idle between kernels/ops grew", ev))
+                if dc > 0 and dc / up >= 0.1:
+                    parts.append(self._compute_part(d * dc / up, "time inside kernels/ops grew", ev))
+                if parts:
+                    scale = d / sum(p.delta_s for p in parts)
+                    for p in parts:
+                        p.delta_s *= scale
+                    return parts
+        fa, fb = self.a.forward_fit, self.b.forward_fit
+        if not math.isnan(fa["per_token_s"]) and not math.isnan(fb["per_token_s"]) and fa["intercept_s"] > 0:
+            r_int = fb["intercept_s"] / fa["intercept_s"]
+            r_tok = fb["per_token_s"] / fa["per_token_s"] if fa["per_token_s"] > 0 else math.nan
+            ev = [f"forward fixed cost {ms(fa['intercept_s'])} -> {ms(fb['intercept_s'])} per step; per batch token "
+                  f"{fa['per_token_s'] * 1e6:.3g} -> {fb['per_token_s'] * 1e6:.3g} us "
+                  "(no profiler window in both runs: inferred from forward time vs batch tokens)"]
+            if r_int >= 1.2 and (math.isnan(r_tok) or r_tok < 1 + 0.25 * (r_int - 1)):
+                return [Part("kernel.launch_gap", d, "a fixed cost per forward grew, not the cost per token "
+                             "(launch gaps or per-op overhead)", ev)]
+            if not math.isnan(r_tok) and r_tok >= 1.1:
+                return [self._compute_part(d, "forward time grew in proportion to the work", ev)]
+        return [Part("model.forward", d, "model forward time grew across the model",
+                     [f"forward per step {ms(ia['forward_s_mean'])} -> {ms(ib['forward_s_mean'])}"])]
+
+    def _compute_part(self, d: float, cause: str, ev: list[str]) -> Part:
+        if self.hardware_changed and not self.keys:
+            return Part("hardware", d, f"{cause} on different hardware, with no config change", ev)
+        return Part("kernel.compute", d, cause, ev)
+
+    def _composition(self, d: float) -> Part | list[Part]:
+        ia, ib = self.ia, self.ib
+        ev = [f"prefill tokens per request {ia['prefill_tokens_per_request']:.0f} -> "
+              f"{ib['prefill_tokens_per_request']:.0f}",
+              f"batch tokens per step {self.a.run.steps['num_batched_tokens'].mean():.1f} -> "
+              f"{self.b.run.steps['num_batched_tokens'].mean():.1f}"]
+        if self._prefix_lost():
+            return Part("engine.kv", d, "prefix-cache hits dropped, so prompts are prefilled in full",
+                        self._prefix_evidence() + ev)
+        if ib["recomputed_token_frac"] - ia["recomputed_token_frac"] >= 0.05:
+            return Part("engine.kv", d, "preempted requests recompute their KV", self._kv_evidence() + ev)
+        for key, layer in (("max_num_batched_tokens", "engine.queue"), ("enable_chunked_prefill", "engine.schedule"),
+                           ("max_num_seqs", "engine.queue")):
+            if key in self.keys:
+                return Part(layer, d, f"steps carry a different batch ({key} changed)", ev)
+        if self.workload_changed:
+            return Part("workload", d, "steps carry more tokens: the offered load changed", ev)
+        if self.slowdown >= 0.1:
+            parts = self._slowdown_parts(d, "more requests share each step (larger batches)")
+            if parts:
+                return parts
+        return Part("model.forward", d, "steps carry more tokens per forward (batch composition)", ev)
+
+    # ---- evidence helpers ----
+    def _prefix_lost(self) -> bool:
+        ha, hb = self.ia["prefix_hit_rate"], self.ib["prefix_hit_rate"]
+        ca, cb = self.ia["cached_token_frac"], self.ib["cached_token_frac"]
+        lost = (not math.isnan(ha) and (math.isnan(hb) or ha - hb >= 0.1)) or (
+            not math.isnan(ca) and not math.isnan(cb) and ca - cb >= 0.1)
+        return bool(lost) and self.ib["prefill_tokens_per_request"] >= 1.1 * self.ia["prefill_tokens_per_request"]
+
+    def _prefix_evidence(self) -> list[str]:
+        ev = [f"prefix-cache hit rate {pct(self.ia['prefix_hit_rate'])} -> {pct(self.ib['prefix_hit_rate'])}",
+              f"cached prompt tokens {pct(self.ia['cached_token_frac'])} -> {pct(self.ib['cached_token_frac'])}"]
+        if "enable_prefix_caching" in self.keys:
+            ev.append(f"enable_prefix_caching {self.a.cfg('enable_prefix_caching')} -> "
+                      f"{self.b.cfg('enable_prefix_caching')}")
+        return ev
+
+    def _kv_evidence(self) -> list[str]:
+        ia, ib = self.ia, self.ib
+        return [f"KV free blocks at 0 on {pct(ia['kv_exhausted_frac'])} -> {pct(ib['kv_exhausted_frac'])} of steps",
+                f"preemptions {ia['num_preemptions']:.0f} -> {ib['num_preemptions']:.0f}",
+                f"recomputed tokens {pct(ia['recomputed_token_frac'])} -> {pct(ib['recomputed_token_frac'])} of "
+                "computed tokens"]
+
+    def _router_evidence(self) -> list[str]:
+        ia, ib = self.ia, self.ib
+        if ib["num_replicas"] <= 1:
+            return []
+        ev = [f"busiest replica gets {ib['replica_share_max'] / ib['num_replicas']:.0%} of requests "
+              f"(was {ia['replica_share_max'] / max(ia['num_replicas'], 1):.0%}; fair share "
+              f"{1 / ib['num_replicas']:.0%})"]
+        if "replica_queue_s_max" in ib:
+            ev.append(f"engine.queue per replica at TTFT: {ms(ib['replica_queue_s_min'])} .. "
+                      f"{ms(ib['replica_queue_s_max'])}")
+        return ev
+
+    def _collective_evidence(self) -> list[str]:
+        ev = [f"collective time per step {ms(self.ia.get('collective_s_mean'))} -> "
+              f"{ms(self.ib.get('collective_s_mean'))}"]
+        cr = self.b.collective_ranks
+        if not cr.empty and len(cr) > 1:
+            slow = cr.loc[cr["wait_share"].idxmin()]
+            fast = cr.loc[cr["wait_share"].idxmax()]
+            ev.append(f"rank {int(fast['rank'])} waits {pct(fast['wait_share'])} of each collective for rank "
+                      f"{int(slow['rank'])} (skew: one slow rank)")
+        return ev
+
+    def _req_p50(self, layer: str) -> str:
+        c = col("ttft", layer)
+        return f"p50 {ms(float(self.a.ok[c].median()))} -> {ms(float(self.b.ok[c].median()))} per request"
+
+
+def _z(x) -> float:
+    return 0.0 if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)

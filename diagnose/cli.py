@@ -1,0 +1,109 @@
+"""``layerscope diagnose`` and ``layerscope config-diff`` (registered by layerscope/cli.py).
+
+Exit codes: 0 done (whatever the verdict), 2 a bad or corrupt bundle / config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from layerscope.diagnose.errors import RunError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("diagnose", help="one run: bottlenecks and slowest requests; two runs: what changed, which "
+                                        "layer, why")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="a run bundle, or BASELINE CANDIDATE")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--markdown", action="store_true", help="print Markdown")
+    p.add_argument("--slo-ttft", type=float, metavar="S", help="TTFT SLO for goodput, seconds")
+    p.add_argument("--slo-tpot", type=float, metavar="S", help="TPOT SLO for goodput, seconds")
+    p.add_argument("--slo-e2e", type=float, metavar="S", help="E2E SLO for goodput, seconds")
+    p.add_argument("--top", type=int, default=10, help="slowest requests / top kernels to list")
+    p.set_defaults(func=cmd_diagnose)
+
+    p = sub.add_parser("config-diff", help="config, version and environment diff of two runs or config files")
+    p.add_argument("a", metavar="A", help="run bundle or config JSON/TOML")
+    p.add_argument("b", metavar="B", help="run bundle or config JSON/TOML")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true")
+    out.add_argument("--markdown", action="store_true")
+    p.set_defaults(func=cmd_config_diff)
+
+
+def _slo(args: argparse.Namespace) -> dict[str, float] | None:
+    slo = {k: v for k, v in (("ttft_s", args.slo_ttft), ("tpot_s", args.slo_tpot), ("e2e_s", args.slo_e2e)) if v}
+    return slo or None
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from layerscope.diagnose import render
+
+    if len(args.runs) > 2:
+        print("layerscope diagnose: give one run, or a baseline and a candidate", file=sys.stderr)
+        return 2
+    try:
+        if len(args.runs) == 1:
+            from layerscope.diagnose.report import summarize
+
+            result = summarize(args.runs[0], _slo(args), args.top)
+            blocks = None if args.json else render.single_lines(result)
+        else:
+            from layerscope.diagnose.compare import compare
+
+            result = compare(args.runs[0], args.runs[1], slo=_slo(args)).diagnosis
+            blocks = None if args.json else render.comparison_lines(result)
+    except RunError as e:
+        print(f"layerscope: error: {e}", file=sys.stderr)
+        return 2
+    _emit(args, result, blocks)
+    return 0
+
+
+def cmd_config_diff(args: argparse.Namespace) -> int:
+    from layerscope.diagnose import render
+    from layerscope.diagnose.config_diff import config_diff, diff_records
+
+    try:
+        records = diff_records(config_diff(args.a, args.b))
+    except RunError as e:
+        print(f"layerscope: error: {e}", file=sys.stderr)
+        return 2
+    rows = [[r["kind"], r["key"], str(r["baseline"]), str(r["candidate"]), r["layer"] or "any",
+             f"{r['baseline_source']} -> {r['candidate_source']}" if r["baseline_source"] else ""] for r in records]
+    blocks = [("title", f"config diff: {args.a} vs {args.b}   {len(records)} differences")]
+    if rows:
+        blocks.append(("table", (["kind", "key", "A", "B", "acts on", "set/default"], rows)))
+    else:
+        blocks.append(("text", "no differences in config, resolved values, versions or hardware"))
+    _emit(args, {"a": args.a, "b": args.b, "config_diff": records}, blocks)
+    return 0
+
+
+def _emit(args: argparse.Namespace, result: dict, blocks) -> None:
+    from layerscope.diagnose import render
+
+    if args.json:
+        print(json.dumps(jsonable(result), indent=1))
+    elif args.markdown:
+        sys.stdout.write(render.to_markdown(blocks))
+    else:
+        render.to_console(blocks)
+
+
+def jsonable(x: Any) -> Any:
+    """NaN/inf -> None, numpy scalars -> Python, recursively (JSON has no NaN)."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+        x = x.item()
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    return x

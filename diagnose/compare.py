@@ -1,0 +1,303 @@
+"""Compare two runs: which metrics changed (significance), which layer, and why.
+
+``compare(baseline, candidate)`` returns a Comparison whose ``diagnosis`` is DESIGN.md's
+``layerscope.diagnosis/1`` object; the per-metric attribution tables, config diff and
+workload diff are kept as DataFrames for the TUI and the reports.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerscope.diagnose.analysis import RunAnalysis
+from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
+from layerscope.diagnose.config_diff import can_move, config_diff, diff_records, mark_consistency
+from layerscope.diagnose.load import Run
+from layerscope.diagnose.stats import DEFAULT_RULE, Rule, compare_quantile, compare_rate
+from layerscope.diagnose.workload import workload_diff
+
+SCHEMA = "layerscope.diagnosis/1"
+# name, per-request metric, quantile, kind (min-effect class)
+LATENCY_METRICS = (
+    ("ttft_p50_s", "ttft", 0.5, "p50"),
+    ("ttft_p99_s", "ttft", 0.99, "p99"),
+    ("tpot_p50_s", "tpot", 0.5, "p50"),
+    ("tpot_p99_s", "tpot", 0.99, "p99"),
+    ("e2e_p50_s", "e2e", 0.5, "p50"),
+)
+THROUGHPUT = "output_tokens_per_s"
+GOODPUT = "goodput_requests_per_s"
+MIN_SHARE = 0.02  # findings explaining less than this fold into the residual
+
+
+@dataclass
+class Comparison:
+    diagnosis: dict[str, Any]
+    attribution: dict[str, pd.DataFrame] = field(default_factory=dict)  # metric -> quantile_components
+    config_diff: pd.DataFrame | None = None
+    workload_diff: pd.DataFrame | None = None
+    slo: dict[str, float] = field(default_factory=dict)
+    baseline: RunAnalysis | None = None
+    candidate: RunAnalysis | None = None
+
+
+def slos(a: RunAnalysis, given: dict[str, float] | None = None) -> dict[str, float]:
+    """SLOs in seconds (ttft_s, tpot_s, e2e_s): those given, else the workload spec's
+    ``slo`` entry, else 2x the baseline's p90 for TTFT and TPOT (E2E unconstrained)."""
+    if given:
+        return {k: float(v) for k, v in given.items() if v}
+    spec = (a.run.manifest.get("workload") or {}).get("slo") or {}
+    if spec:
+        return {k: float(v) for k, v in spec.items() if k in ("ttft_s", "tpot_s", "e2e_s") and v}
+    ok = a.ok
+    out = {}
+    for m in ("ttft", "tpot"):
+        v = ok[f"{m}_s"].dropna()
+        if len(v):
+            out[f"{m}_s"] = float(2 * np.quantile(v, 0.9))
+    return out
+
+
+def meets_slo(bd: pd.DataFrame, slo: dict[str, float]) -> np.ndarray:
+    """Per request: finished and within every SLO (a missing TPOT, one token, passes it)."""
+    ok = bd["status"].fillna("").str.startswith("finished").to_numpy() & bd["e2e_s"].notna().to_numpy()
+    for key, limit in slo.items():
+        v = bd[key].to_numpy(np.float64)
+        ok &= np.isnan(v) | (v <= limit) if key == "tpot_s" else (v <= limit)
+    return ok
+
+
+def compare(baseline: Run | str | RunAnalysis, candidate: Run | str | RunAnalysis, *,
+            slo: dict[str, float] | None = None, rule: Rule = DEFAULT_RULE) -> Comparison:
+    a = baseline if isinstance(baseline, RunAnalysis) else RunAnalysis(baseline)
+    b = candidate if isinstance(candidate, RunAnalysis) else RunAnalysis(candidate)
+    cdiff = config_diff(a.run, b.run)
+    wdiff = workload_diff(a.run, b.run)
+    workload_changed = bool(wdiff["material"].any())
+    changed_keys = set(cdiff.loc[cdiff["kind"] == "config", "key"]) | {
+        f"resolved.{k.split('.')[-1]}" for k in cdiff.loc[cdiff["kind"] == "resolved", "key"]}
+    causes = Causes(a, b, changed_keys, workload_changed, bool((cdiff["kind"] == "hardware").any()))
+    the_slo = slos(a, slo)
+
+    metrics: dict[str, dict] = {}
+    for name, m, q, kind in LATENCY_METRICS:
+        metrics[name] = compare_quantile(a.ok[f"{m}_s"].to_numpy(), b.ok[f"{m}_s"].to_numpy(), q, kind, rule)
+    metrics[THROUGHPUT] = _throughput(a, b, rule)
+    good_a, good_b = meets_slo(a.ok, the_slo), meets_slo(b.ok, the_slo)  # a.ok is in arrival order
+    metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule)
+
+    attribution: dict[str, pd.DataFrame] = {}
+    findings: list[dict] = []
+    for name, m, q, _ in LATENCY_METRICS:
+        comp = quantile_components(a.ok, b.ok, m, q)
+        attribution[name] = comp
+        if metrics[name]["significant"]:
+            findings += _findings(name, comp, causes, metrics[name], f"{m.upper()} p{int(q * 100)}")
+    tp_a, tp_b = throughput_components(a), throughput_components(b)
+    comp = pd.DataFrame({"layer": list(tp_a), "baseline_s": list(tp_a.values()), "candidate_s": list(tp_b.values())})
+    comp["delta_s"] = comp["candidate_s"] - comp["baseline_s"]
+    d = comp["delta_s"].sum()
+    comp.loc[len(comp)] = ["residual", 0.0, 0.0, 0.0]
+    comp["share"] = comp["delta_s"] / d if d else math.nan
+    attribution[THROUGHPUT] = comp
+    if metrics[THROUGHPUT]["significant"]:
+        findings += _findings(THROUGHPUT, comp, causes, metrics[THROUGHPUT], "time per output token")
+    if metrics[GOODPUT]["significant"]:
+        findings += _goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
+
+    verdict = _verdict(metrics, workload_changed)
+    if verdict == "workload_changed":
+        wf = _workload_finding(metrics, wdiff)
+        same = [f for f in findings if f["layer"] == "workload" and f["metric"] == wf["metric"]]
+        if same:  # the accounting already blamed the workload for this metric: add the diff as evidence
+            same[0]["evidence"] = wf["evidence"] + same[0]["evidence"]
+            same[0]["_score"] = math.inf
+        else:
+            findings.insert(0, wf)
+    findings.sort(key=lambda f: -f.pop("_score"))
+    changed_layers = {f["layer"] for f in findings} | {lyr for f in findings for lyr in f.pop("_measured")}
+    cdiff = mark_consistency(cdiff, changed_layers if verdict != "no_change" else set())
+    for f in findings:
+        f["config_changes"] = [_change_text(r) for r in cdiff.itertuples() if can_move(r.layer, {f["layer"]})]
+    primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
+               else None)
+    diagnosis = {
+        "schema": SCHEMA,
+        "baseline": a.name,
+        "candidate": b.name,
+        "verdict": verdict,
+        "metrics": {k: _clean(v) for k, v in metrics.items()},
+        "findings": findings if verdict != "no_change" else [],
+        "primary": primary,
+        "config_diff": diff_records(cdiff),
+        "workload_diff": [{k: _num(v) for k, v in r.items()} for r in wdiff.to_dict("records")],
+    }
+    return Comparison(diagnosis, attribution, cdiff, wdiff, the_slo, a, b)
+
+
+def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
+    """Headline: output tokens / busy interval; the CI comes from a block bootstrap over steps."""
+    def per_step(x: RunAnalysis):
+        s, st = x.run.steps, x.steps
+        tokens = (s["num_decode_seqs"].fillna(0) + s["num_prefill_seqs"].fillna(0)).to_numpy(np.float64)
+        order = np.argsort(st["t_start_s"].to_numpy(), kind="stable")
+        start = st["t_start_s"].to_numpy()[order]
+        own = np.r_[np.diff(start), st["t_end_s"].to_numpy()[order][-1:] - start[-1:]] if len(start) else start
+        return tokens[order], np.clip(own, 0, None)
+
+    na, da = per_step(a)
+    nb, db = per_step(b)
+    r = compare_rate(na, da, nb, db, rule)
+    return _headline(r, a.indicators["output_tokens_per_s"], b.indicators["output_tokens_per_s"], rule)
+
+
+def _goodput(a: RunAnalysis, good_a: np.ndarray, b: RunAnalysis, good_b: np.ndarray, rule: Rule) -> dict:
+    """Headline: requests meeting the SLOs / busy interval; CI from a block bootstrap over
+    requests in arrival order (each owns the time to the next arrival)."""
+    def own(x: RunAnalysis) -> np.ndarray:
+        t = x.ok["arrival_s"].to_numpy()
+        return np.r_[np.diff(t), np.median(np.diff(t)) if len(t) > 1 else 0.0]
+
+    r = compare_rate(good_a.astype(float), own(a), good_b.astype(float), own(b), rule)
+    ha = good_a.sum() / a.busy_s if a.busy_s > 0 else math.nan
+    hb = good_b.sum() / b.busy_s if b.busy_s > 0 else math.nan
+    return _headline(r, ha, hb, rule)
+
+
+def _headline(r: dict, ha: float, hb: float, rule: Rule) -> dict:
+    """Report the headline figures, with the bootstrap CI of the estimator shifted onto them."""
+    head_rel = 100 * (hb / ha - 1) if ha > 0 else math.nan
+    step_rel, r["delta_pct"] = r["delta_pct"], head_rel
+    if r["ci_pct"] is not None and ha > 0:
+        r["ci_pct"] = [r["ci_pct"][0] - step_rel + head_rel, r["ci_pct"][1] - step_rel + head_rel]
+        lo, hi = r["ci_pct"]
+        r["significant"] = bool(abs(head_rel) >= 100 * rule.min_effect["rate"] and (lo > 0 or hi < 0))
+        r["worse"] = bool(r["significant"] and head_rel < 0)
+    r["baseline"], r["candidate"] = ha, hb
+    return r
+
+
+def _findings(name: str, comp: pd.DataFrame, causes: Causes, metric: dict, label: str) -> list[dict]:
+    total = float(comp["delta_s"].sum())
+    sign = 1.0 if total >= 0 else -1.0
+    merged: dict[str, dict] = {}
+    for row in comp.itertuples():
+        if row.layer == "residual" or row.delta_s == 0 or math.isnan(row.delta_s):
+            continue
+        if row.delta_s * sign > 0:
+            parts = causes.explain(row.layer, row.delta_s, name)
+        else:
+            parts = [Part(row.layer if row.layer != "idle" else "workload", row.delta_s,
+                          "moved the other way (offsets part of the change)")]
+        for p in parts:
+            f = merged.setdefault(p.layer, {"delta_s": 0.0, "parts": [], "measured": set()})
+            f["delta_s"] += p.delta_s
+            f["parts"].append(p)
+            f["measured"].add(row.layer)
+            meas = f"measured in {row.layer}: {'+' if row.delta_s >= 0 else ''}{ms(row.delta_s)} at {label}"
+            if p.layer != row.layer or len(parts) > 1:
+                meas += f" (this cause: {'+' if p.delta_s >= 0 else ''}{ms(p.delta_s)})"
+            p.evidence = [meas] + p.evidence
+    out = []
+    for layer, f in merged.items():
+        share = f["delta_s"] / total if total else math.nan
+        if abs(share) < MIN_SHARE:
+            continue
+        main = max(f["parts"], key=lambda p: abs(p.delta_s))
+        cause = main.cause if main.delta_s >= 0 or main.cause.startswith("moved the other way") else _faster(main.cause)
+        evidence: list[str] = []
+        for p in sorted(f["parts"], key=lambda p: -abs(p.delta_s)):
+            evidence += [e for e in p.evidence if e not in evidence]
+        out.append({"metric": name, "layer": layer, "share": round(share, 4), "delta_s": f["delta_s"],
+                    "cause": cause, "evidence": evidence, "config_changes": [],
+                    "_score": abs(metric["delta_pct"]) * share * (1.0 if metric["worse"] else 0.01),
+                    "_measured": sorted(f["measured"])})
+    return out
+
+
+_FASTER = (("got slower", "got faster"), ("grew", "shrank"), ("longer", "shorter"), ("slower", "faster"),
+           ("more requests", "fewer requests"), ("larger batches", "smaller batches"), ("more tokens", "fewer tokens"),
+           ("exhausted", "relieved"), ("dropped", "rose"))
+
+
+def _faster(cause: str) -> str:
+    """The cause text of a part that made the metric better (same rule, other direction)."""
+    for a, b in _FASTER:
+        cause = cause.replace(a, b)
+    return cause
+
+
+def _goodput_findings(a: RunAnalysis, b: RunAnalysis, slo: dict, causes: Causes, metric: dict) -> list[dict]:
+    """Goodput is attributed through the SLO whose violations grew most, at that metric's p90."""
+    worst, grow = None, -1.0
+    for key, limit in slo.items():
+        va = a.ok[key].dropna()
+        vb = b.ok[key].dropna()
+        if not len(va) or not len(vb):
+            continue
+        g = float((vb > limit).mean() - (va > limit).mean())
+        if abs(g) > grow:
+            worst, grow = key, abs(g)
+    if worst is None:
+        return []
+    m = worst[:-2]
+    comp = quantile_components(a.ok, b.ok, m, 0.9)
+    fs = _findings(GOODPUT, comp, causes, metric, f"{m.upper()} p90")
+    for f in fs:
+        f["evidence"].insert(0, f"requests over the {m.upper()} SLO ({ms(slo[worst])}): "
+                                f"{(a.ok[worst] > slo[worst]).mean():.0%} -> {(b.ok[worst] > slo[worst]).mean():.0%}")
+    return fs
+
+
+def _verdict(metrics: dict, workload_changed: bool) -> str:
+    if workload_changed:
+        return "workload_changed"
+    if any(m["worse"] for m in metrics.values()):
+        return "regression"
+    if any(m["significant"] for m in metrics.values()):
+        return "improvement"
+    return "no_change"
+
+
+def _workload_finding(metrics: dict, wdiff: pd.DataFrame) -> dict:
+    sig = [(k, v) for k, v in metrics.items() if v["significant"]] or list(metrics.items())[:1]
+    name, m = max(sig, key=lambda kv: abs(kv[1]["delta_pct"] or 0))
+    mat = wdiff[wdiff["material"]]
+    ev = [f"{r.feature} {_fmt(r.baseline)} -> {_fmt(r.candidate)}"
+          + (f" ({r.delta_pct:+.0f}%)" if isinstance(r.delta_pct, float) and not math.isnan(r.delta_pct) else "")
+          for r in mat.itertuples()]
+    d = (m["candidate"] - m["baseline"]) if m["candidate"] is not None else math.nan
+    return {"metric": name, "layer": "workload", "share": 1.0, "delta_s": d if name.endswith("_s") else math.nan,
+            "cause": "the offered load changed between the runs; layer shares below describe the mechanics, not "
+                     "a regression of the system", "evidence": ev, "config_changes": [], "_score": math.inf,
+            "_measured": []}
+
+
+def _change_text(r) -> str:
+    src = f" ({r.baseline_source} -> {r.candidate_source})" if r.baseline_source else ""
+    return f"{r.key} {r.baseline} -> {r.candidate}{src}"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _num(v: Any) -> Any:
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if hasattr(v, "item"):
+        return v.item()
+    return v
+
+
+def _clean(m: dict) -> dict:
+    out = {k: _num(v) for k, v in m.items() if k != "worse"}
+    return {"baseline": out.pop("baseline"), "candidate": out.pop("candidate"), "delta_pct": out.pop("delta_pct"),
+            "significant": out.pop("significant"), **out}

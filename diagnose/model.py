@@ -1,0 +1,149 @@
+"""Model-time drill-down: per-layer rows, kernels vs launch gaps, collectives per rank.
+
+Each function takes a Run and returns a DataFrame (or a small dict of figures) with
+fixed column names; all durations in seconds. Tables that were not recorded (probes
+off, no profiler window, TP=1) give empty frames, never errors.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+from layerscope.diagnose.load import Run
+
+_ROW_ORDER = re.compile(r"layers\.(\d+)\.(\w+)")
+
+
+def _row_key(name: str) -> tuple[int, int, str]:
+    m = _ROW_ORDER.fullmatch(name)
+    if m:
+        return (1, int(m.group(1)), m.group(2))
+    return ({"embed": 0, "norm": 2, "lm_head": 3, "sampler": 4}.get(name, 5), 0, name)
+
+
+def layer_rows(run: Run) -> pd.DataFrame:
+    """Per-layer forward rows on the timed steps.
+
+    Columns: name, num_steps, mean_s (per timed step), total_s, share_of_forward (of the
+    timed steps' forward_s; the sampler row is outside forward).
+    """
+    lt = run.layers
+    cols = ["name", "num_steps", "mean_s", "total_s", "share_of_forward"]
+    if lt.empty:
+        return pd.DataFrame(columns=cols)
+    g = lt.groupby("name")["duration_s"]
+    df = pd.DataFrame({"num_steps": g.size(), "mean_s": g.mean(), "total_s": g.sum()}).reset_index()
+    timed = lt[["step_id", "replica"]].drop_duplicates()
+    fwd = run.steps.merge(timed, on=["step_id", "replica"])["forward_s"].sum()
+    df["share_of_forward"] = df["total_s"] / fwd if fwd > 0 else np.nan
+    df = df.iloc[sorted(range(len(df)), key=lambda i: _row_key(df["name"].iloc[i]))].reset_index(drop=True)
+    return df[cols]
+
+
+def timed_tokens_mean(run: Run) -> float:
+    """Mean batch tokens of the steps whose layers were timed (nan if none)."""
+    timed = run.layers[["step_id", "replica"]].drop_duplicates()
+    s = run.steps.merge(timed, on=["step_id", "replica"])
+    return float(s["num_batched_tokens"].mean()) if len(s) else np.nan
+
+
+def layer_row_deltas(base: Run, cand: Run, scale: float = 1.0) -> pd.DataFrame:
+    """Per-row mean time per timed step in both runs; the baseline's rows multiplied by
+    ``scale`` (the expected forward-time ratio of the two runs' timed batches), so a row's
+    delta is its change at equal batch size.
+
+    Columns: name, baseline_s (scaled), candidate_s, delta_s, ratio. Ordered by delta_s, largest first.
+    """
+    a, b = layer_rows(base), layer_rows(cand)
+    cols = ["name", "baseline_s", "candidate_s", "delta_s", "ratio"]
+    if a.empty or b.empty:
+        return pd.DataFrame(columns=cols)
+    df = a[["name", "mean_s"]].merge(b[["name", "mean_s"]], on="name", how="outer", suffixes=("_b", "_c")).fillna(0.0)
+    df.columns = ["name", "baseline_s", "candidate_s"]
+    if np.isfinite(scale) and scale > 0:
+        df["baseline_s"] *= scale
+    df["delta_s"] = df["candidate_s"] - df["baseline_s"]
+    df["ratio"] = df["candidate_s"] / df["baseline_s"].where(df["baseline_s"] > 0)
+    return df.sort_values("delta_s", ascending=False).reset_index(drop=True)[cols]
+
+
+def kernel_steps(run: Run) -> pd.DataFrame:
+    """Per profiled step: window, step_id, replica, num_ops, compute_s, gap_s, gap_share."""
+    k = run.kernels
+    cols = ["window", "step_id", "replica", "num_ops", "compute_s", "gap_s", "gap_share"]
+    k = k[k["step_id"].notna()] if not k.empty else k
+    if k.empty:
+        return pd.DataFrame(columns=cols)
+    g = k.groupby(["window", "step_id", "replica"])
+    df = pd.DataFrame({"num_ops": g.size(), "compute_s": g["duration_s"].sum(),
+                       "gap_s": g["gap_before_s"].sum(min_count=0)}).reset_index()
+    busy = df["compute_s"] + df["gap_s"]
+    df["gap_share"] = df["gap_s"] / busy.where(busy > 0)
+    return df[cols]
+
+
+def kernel_summary(run: Run) -> dict[str, float]:
+    """Profiled forwards: num_windows, num_steps, compute_s and gap_s per step, gap_share."""
+    ks = kernel_steps(run)
+    if ks.empty:
+        return {"num_windows": 0, "num_steps": 0, "compute_s": np.nan, "gap_s": np.nan, "gap_share": np.nan}
+    c, g = ks["compute_s"].mean(), ks["gap_s"].mean()
+    return {"num_windows": int(ks["window"].nunique()), "num_steps": len(ks), "compute_s": float(c),
+            "gap_s": float(g), "gap_share": float(g / (c + g)) if c + g > 0 else np.nan}
+
+
+def top_kernels(run: Run, n: int = 10) -> pd.DataFrame:
+    """Kernels/ops by total time in the profiled windows.
+
+    Columns: name, category, count, total_s, mean_s, share (of profiled kernel time).
+    """
+    k = run.kernels
+    cols = ["name", "category", "count", "total_s", "mean_s", "share"]
+    if k.empty:
+        return pd.DataFrame(columns=cols)
+    g = k.groupby(["name", "category"], dropna=False)["duration_s"]
+    df = pd.DataFrame({"count": g.size(), "total_s": g.sum(), "mean_s": g.mean()}).reset_index()
+    df["share"] = df["total_s"] / df["total_s"].sum()
+    return df.sort_values("total_s", ascending=False).head(n).reset_index(drop=True)[cols]
+
+
+def forward_fit(run: Run) -> dict[str, float]:
+    """Least-squares fit of compute time per step: forward_s - collective_s = a + b * tokens.
+
+    Returns intercept_s (fixed cost per forward: launches, per-op overhead), per_token_s
+    and num_steps. A launch-gap regression moves the intercept; a slower kernel or
+    machine moves both in proportion.
+    """
+    s = run.steps
+    y = (s["forward_s"] - s["collective_s"].fillna(0.0)).to_numpy(np.float64)
+    x = s["num_batched_tokens"].to_numpy(np.float64)
+    ok = ~np.isnan(x) & ~np.isnan(y)
+    x, y = x[ok], y[ok]
+    if len(x) < 3 or np.ptp(x) == 0:
+        return {"intercept_s": float(np.nanmedian(y)) if len(y) else np.nan, "per_token_s": np.nan,
+                "num_steps": int(len(x))}
+    # robust-ish: fit on the middle 96% of residuals of a first fit
+    b, a = np.polyfit(x, y, 1)
+    res = y - (a + b * x)
+    keep = np.abs(res) <= np.quantile(np.abs(res), 0.96)
+    b, a = np.polyfit(x[keep], y[keep], 1)
+    return {"intercept_s": float(a), "per_token_s": float(b), "num_steps": int(len(x))}
+
+
+def collective_ranks(run: Run) -> pd.DataFrame:
+    """Per TP rank: num_collectives, duration_s_mean, wait_s_mean, wait_share (wait / duration).
+
+    The rank that waits least is the one the others wait for (the straggler).
+    """
+    c = run.collectives
+    cols = ["replica", "rank", "num_collectives", "duration_s_mean", "wait_s_mean", "wait_share"]
+    if c.empty:
+        return pd.DataFrame(columns=cols)
+    g = c.groupby(["replica", "rank"])
+    df = pd.DataFrame({"num_collectives": g.size(), "duration_s_mean": g["duration_s"].mean(),
+                       "wait_s_mean": g["wait_s"].mean()}).reset_index()
+    df["wait_share"] = df["wait_s_mean"] / df["duration_s_mean"].where(df["duration_s_mean"] > 0)
+    return df[cols]

@@ -1,0 +1,130 @@
+"""The offered load of a run, measured from its requests table, and its diff.
+
+Features (units in the names): arrival rate, burstiness (coefficient of variation
+of inter-arrival times), prompt/output length distributions, prefix sharing. Arrival
+times are the client's send times when recorded, else the gateway's or engine's
+arrival. A closed-loop workload (the spec names a concurrency and no rate) paces
+arrivals by the server's speed, so its measured rate is reported but never called
+a workload change.
+
+A feature changed materially when its relative change reaches ``MATERIAL_PCT`` and
+a test says it is not noise (Mann-Whitney on the per-request samples, p < 0.001);
+the manifest's workload spec differing in any key other than the seed counts too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerscope.diagnose.load import Run
+from layerscope.diagnose.stats import mann_whitney_p
+
+MATERIAL_PCT = 25.0
+ALPHA = 1e-3
+DIFF_COLUMNS = ["feature", "baseline", "candidate", "delta_pct", "material", "note"]
+
+
+def arrivals_s(run: Run) -> np.ndarray:
+    """Arrival times (s from the first), sorted."""
+    r = run.requests
+    for c in ("client_send_ns", "gateway_arrival_ns", "engine_arrival_ns"):
+        if r[c].notna().any():
+            t = np.sort(r[c].dropna().to_numpy(np.float64))
+            return (t - t[0]) / 1e9
+    return np.zeros(0)
+
+
+def is_closed_loop(spec: dict[str, Any]) -> bool:
+    keys = {k.lower() for k in spec}
+    has_conc = any("concurrency" in k for k in keys)
+    has_rate = any("rate" in k or "qps" in k for k in keys)
+    return has_conc and not has_rate
+
+
+def workload_profile(run: Run) -> dict[str, float]:
+    """One run's offered load: num_requests, arrival_rate_per_s, interarrival_cv,
+    prompt_tokens_mean/p50/p90, output_tokens_mean/p50/p90, cached_token_frac."""
+    r = run.requests
+    t = arrivals_s(run)
+    gaps = np.diff(t)
+    span = float(t[-1]) if len(t) > 1 else 0.0
+    prompt = r["num_prompt_tokens"].dropna().to_numpy(np.float64)
+    output = r["num_output_tokens"].dropna().to_numpy(np.float64)
+    cached = r["num_cached_tokens"].fillna(0).to_numpy(np.float64)
+
+    def q(x, p):
+        return float(np.quantile(x, p)) if len(x) else math.nan
+
+    return {
+        "num_requests": float(len(r)),
+        "arrival_rate_per_s": (len(t) - 1) / span if span > 0 else math.nan,
+        "interarrival_cv": float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else math.nan,
+        "prompt_tokens_mean": float(prompt.mean()) if len(prompt) else math.nan,
+        "prompt_tokens_p50": q(prompt, 0.5),
+        "prompt_tokens_p90": q(prompt, 0.9),
+        "output_tokens_mean": float(output.mean()) if len(output) else math.nan,
+        "output_tokens_p50": q(output, 0.5),
+        "output_tokens_p90": q(output, 0.9),
+        "cached_token_frac": float(cached.sum() / prompt.sum()) if prompt.sum() > 0 else math.nan,
+    }
+
+
+def workload_diff(base: Run, cand: Run) -> pd.DataFrame:
+    """Workload features of both runs. Columns: feature, baseline, candidate, delta_pct,
+    material (bool: a change large and certain enough to explain a metric change), note."""
+    pa, pb = workload_profile(base), workload_profile(cand)
+    sa, sb = base.manifest.get("workload") or {}, cand.manifest.get("workload") or {}
+    closed = is_closed_loop(sa) or is_closed_loop(sb)
+    ra, rb = base.requests, cand.requests
+    rows = []
+
+    def add(feature, a, b, material=False, note=""):
+        rows.append({"feature": feature, "baseline": a, "candidate": b,
+                     "delta_pct": 100 * (b - a) / a if a and not math.isnan(a) and not math.isnan(b) else math.nan,
+                     "material": bool(material), "note": note})
+
+    for length in ("prompt", "output"):
+        col = f"num_{length}_tokens"
+        xa, xb = ra[col].dropna().to_numpy(np.float64), rb[col].dropna().to_numpy(np.float64)
+        a, b = pa[f"{length}_tokens_mean"], pb[f"{length}_tokens_mean"]
+        big = _big(a, b)
+        p = mann_whitney_p(xa, xb) if big else math.nan
+        add(f"{length}_tokens_mean", a, b, big and p < ALPHA, f"Mann-Whitney p={p:.1g}" if big else "")
+        add(f"{length}_tokens_p90", pa[f"{length}_tokens_p90"], pb[f"{length}_tokens_p90"])
+    ta, tb = arrivals_s(base), arrivals_s(cand)
+    a, b = pa["arrival_rate_per_s"], pb["arrival_rate_per_s"]
+    big = _big(a, b)
+    p = mann_whitney_p(np.diff(ta), np.diff(tb)) if big and len(ta) > 2 and len(tb) > 2 else math.nan
+    if closed:
+        add("arrival_rate_per_s", a, b, False, "closed-loop workload: arrivals follow the server's pace")
+    else:
+        add("arrival_rate_per_s", a, b, big and p < ALPHA, f"inter-arrival Mann-Whitney p={p:.1g}" if big else "")
+    ca, cb = pa["interarrival_cv"], pb["interarrival_cv"]
+    burst = not closed and _big(ca, cb, 50.0) and abs(cb - ca) >= 0.3 and min(len(ta), len(tb)) >= 50
+    add("interarrival_cv", ca, cb, burst, "burstiness")
+    # prefix sharing is only comparable from the spec (cache hits depend on the config)
+    add("cached_token_frac", pa["cached_token_frac"], pb["cached_token_frac"], False,
+        "depends on enable_prefix_caching and KV size; not a workload feature by itself")
+    add("num_requests", pa["num_requests"], pb["num_requests"], False)
+    for key in sorted(set(sa) | set(sb)):
+        if key == "seed" or sa.get(key) == sb.get(key):
+            continue
+        rows.append({"feature": f"spec.{key}", "baseline": sa.get(key), "candidate": sb.get(key),
+                     "delta_pct": _spec_pct(sa.get(key), sb.get(key)),
+                     "material": key not in ("name", "num_requests", "duration_s", "description"),
+                     "note": "workload spec"})
+    return pd.DataFrame(rows, columns=DIFF_COLUMNS)
+
+
+def _big(a: float, b: float, pct: float = MATERIAL_PCT) -> bool:
+    return bool(a and not math.isnan(a) and not math.isnan(b) and abs(b - a) / abs(a) * 100 >= pct)
+
+
+def _spec_pct(a: Any, b: Any) -> float:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and a:
+        return 100 * (b - a) / a
+    return math.nan
