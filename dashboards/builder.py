@@ -24,7 +24,7 @@ rebuild is byte-identical.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -537,7 +537,7 @@ def templating(metrics: Sequence[MetricDef]) -> dict:
             "multi": True,
             "name": name,
             "options": [],
-            "query": {"qryType": 1, "query": q, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "query": {"query": q, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
             "refresh": 2,
             "regex": "",
             "skipUrlSync": False,
