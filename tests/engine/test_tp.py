@@ -11,6 +11,7 @@ leave no process behind.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -243,3 +244,14 @@ def test_cli_generate_tp2(models, capsys):
     assert main(args + ["--tp", "2"]) == 0
     tp2 = capsys.readouterr().out
     assert tp1 == tp2 and '"token_ids"' in tp2
+
+
+def test_bench_tp_smoke(models, capsys):
+    from layerscope.regressions.bench_tp import main
+
+    assert main(["--model", str(models["llama"]), "--tp", "1,2", "--num-prompts", "2", "--max-tokens", "4",
+                 "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["tp"] for r in rows][-1] == 2 and rows[0]["tp"] == 1
+    assert rows[-1]["collectives_per_step"] == 6 and 0 < rows[-1]["collective_share"] < 1
+    assert all(r["output_tokens"] == 8 for r in rows)
