@@ -111,6 +111,8 @@ EXTRA_PARSERS: list[Callable] = []
 def _register_optional() -> None:
     import importlib
 
+    if EXTRA_PARSERS:  # once per process: main() may be called repeatedly (tests)
+        return
     for mod in ("layerscope.engine.gateway.cli", "layerscope.regressions.cli", "layerscope.diagnose.cli",
                 "layerscope.diagnose.tui.cli", "layerscope.dashboards.cli"):
         try:
