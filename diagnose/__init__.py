@@ -8,7 +8,8 @@ torch or textual. The public API (imported lazily, so ``layerscope --help`` stay
 * ``request_breakdown(run) -> DataFrame``: per-request TTFT/E2E/TPOT split per layer
 * ``summarize(run) -> dict``: the single-run report
 * ``compare(baseline, candidate) -> Comparison``: ``.diagnosis`` is the JSON of DESIGN.md
-* ``config_diff(a, b) -> DataFrame``, ``workload_diff(a, b) -> DataFrame``
+* ``workload_diff(a, b) -> DataFrame``; ``layerscope.diagnose.config_diff.config_diff(a, b) -> DataFrame``
+  (not re-exported here: the module of the same name would shadow it)
 """
 
 from layerscope.diagnose.errors import RunError
@@ -21,9 +22,8 @@ _API = {
     "tpot_breakdown": "layerscope.diagnose.decompose",
     "summarize": "layerscope.diagnose.report",
     "slowest_requests": "layerscope.diagnose.report",
-    "compare": "layerscope.diagnose.compare",
-    "Comparison": "layerscope.diagnose.compare",
-    "config_diff": "layerscope.diagnose.config_diff",
+    "compare": "layerscope.diagnose.comparison",
+    "Comparison": "layerscope.diagnose.comparison",
     "workload_diff": "layerscope.diagnose.workload",
     "detect": "layerscope.diagnose.detectors",
 }

@@ -141,8 +141,16 @@ class Causes:
             "engine.output": _z(ib.get("output_s_mean", 0) - ia.get("output_s_mean", 0)),
         }
 
+    @property
+    def router_skewed(self) -> bool:
+        ia, ib = self.ia, self.ib
+        return ib["num_replicas"] > 1 and ib["replica_share_max"] - ia["replica_share_max"] >= 0.15
+
     def explain(self, layer: str, delta_s: float, metric: str) -> list[Part]:
         """Blame ``delta_s`` seconds measured in ``layer`` on the layer(s) that caused it."""
+        if self.router_skewed and layer not in ("gateway.queue", "gateway.route", "parallel.collective"):
+            return [Part("gateway.route", delta_s, f"the router overloads one replica: its requests wait and its "
+                         f"batches grow ({layer})", self._router_evidence())]
         if layer == "engine.queue" or (layer == "idle" and not self.workload_changed):
             return self._queue(delta_s, layer)
         if layer == "idle":
@@ -175,9 +183,6 @@ class Causes:
     def _queue(self, d: float, measured: str) -> list[Part]:
         ia, ib = self.ia, self.ib
         where = "in the engine's waiting queue" if measured == "engine.queue" else "with the engine idle"
-        if ib["num_replicas"] > 1 and ib["replica_share_max"] - ia["replica_share_max"] >= 0.15:
-            return [Part("gateway.route", d, f"the router sends more requests to one replica; they wait {where}",
-                         self._router_evidence())]
         kv_keys = {"num_kv_blocks", "block_size", "kv_cache_memory_bytes", "resolved.num_kv_blocks"} & self.keys
         kv_worse = (ib["kv_exhausted_frac"] - ia["kv_exhausted_frac"] >= 0.05
                     or ib["num_preemptions"] > 2 * ia["num_preemptions"] + 5)

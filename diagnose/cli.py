@@ -54,7 +54,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             result = summarize(args.runs[0], _slo(args), args.top)
             blocks = None if args.json else render.single_lines(result)
         else:
-            from layerscope.diagnose.compare import compare
+            from layerscope.diagnose.comparison import compare
 
             result = compare(args.runs[0], args.runs[1], slo=_slo(args)).diagnosis
             blocks = None if args.json else render.comparison_lines(result)

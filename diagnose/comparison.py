@@ -18,7 +18,7 @@ from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
 from layerscope.diagnose.config_diff import can_move, config_diff, diff_records, mark_consistency
 from layerscope.diagnose.load import Run
-from layerscope.diagnose.stats import DEFAULT_RULE, Rule, compare_quantile, compare_rate
+from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_indices, compare_quantile, compare_rate
 from layerscope.diagnose.workload import workload_diff
 
 SCHEMA = "layerscope.diagnosis/1"
@@ -141,7 +141,13 @@ def compare(baseline: Run | str | RunAnalysis, candidate: Run | str | RunAnalysi
 
 
 def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
-    """Headline: output tokens / busy interval; the CI comes from a block bootstrap over steps."""
+    """Headline: output tokens / busy interval; the CI comes from a block bootstrap over steps.
+
+    Below saturation an open-loop run's throughput is its offered load, so a change is
+    only called when the served share of the offered token rate (arrival span / busy
+    interval) moved by the minimum effect too: a different draw of the same workload
+    is not a throughput change of the system.
+    """
     def per_step(x: RunAnalysis):
         s, st = x.run.steps, x.steps
         tokens = (s["num_decode_seqs"].fillna(0) + s["num_prefill_seqs"].fillna(0)).to_numpy(np.float64)
@@ -150,23 +156,46 @@ def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
         own = np.r_[np.diff(start), st["t_end_s"].to_numpy()[order][-1:] - start[-1:]] if len(start) else start
         return tokens[order], np.clip(own, 0, None)
 
+    def served_share(x: RunAnalysis) -> float:
+        t = x.ok["arrival_s"].to_numpy()
+        return float((t.max() - t.min()) / x.busy_s) if len(t) > 1 and x.busy_s > 0 else math.nan
+
     na, da = per_step(a)
     nb, db = per_step(b)
-    r = compare_rate(na, da, nb, db, rule)
-    return _headline(r, a.indicators["output_tokens_per_s"], b.indicators["output_tokens_per_s"], rule)
+    r = _headline(compare_rate(na, da, nb, db, rule), a.indicators["output_tokens_per_s"],
+                  b.indicators["output_tokens_per_s"], rule)
+    sa, sb = served_share(a), served_share(b)
+    r["served_share"] = [sa, sb]
+    if r["significant"] and not abs(sb / sa - 1) >= rule.min_effect["rate"]:
+        r["significant"] = r["worse"] = False
+    return r
 
 
 def _goodput(a: RunAnalysis, good_a: np.ndarray, b: RunAnalysis, good_b: np.ndarray, rule: Rule) -> dict:
-    """Headline: requests meeting the SLOs / busy interval; CI from a block bootstrap over
-    requests in arrival order (each owns the time to the next arrival)."""
-    def own(x: RunAnalysis) -> np.ndarray:
-        t = x.ok["arrival_s"].to_numpy()
-        return np.r_[np.diff(t), np.median(np.diff(t)) if len(t) > 1 else 0.0]
-
-    r = compare_rate(good_a.astype(float), own(a), good_b.astype(float), own(b), rule)
+    """Headline: requests meeting the SLOs / busy interval. Called a change when it moves by
+    the minimum effect and so does the share of requests meeting the SLOs (by at least 5
+    points, block-bootstrap CI over requests in arrival order excluding zero)."""
     ha = good_a.sum() / a.busy_s if a.busy_s > 0 else math.nan
     hb = good_b.sum() / b.busy_s if b.busy_s > 0 else math.nan
-    return _headline(r, ha, hb, rule)
+    fa, fb = float(good_a.mean()) if len(good_a) else math.nan, float(good_b.mean()) if len(good_b) else math.nan
+    r = {"baseline": ha, "candidate": hb, "delta_pct": 100 * (hb / ha - 1) if ha > 0 else math.nan,
+         "ci_pct": None, "p_value": None, "significant": False, "worse": False, "n_baseline": int(len(good_a)),
+         "n_candidate": int(len(good_b)), "slo_met_share": [fa, fb]}
+    if len(good_a) < 20 or len(good_b) < 20 or not ha > 0:
+        return r
+    rng = np.random.default_rng(rule.seed)
+    ba = good_a.astype(float)[block_indices(len(good_a), rule.num_boot, rng)].mean(axis=1)
+    bb = good_b.astype(float)[block_indices(len(good_b), rule.num_boot, rng)].mean(axis=1)
+    tail = (1 - rule.confidence) / 2
+    lo, hi = np.quantile(bb - ba, [tail, 1 - tail])
+    # CI of goodput's relative change: the headline ratio, varied as the met share varies
+    if fa > 0 and fb > 0:
+        rel = (hb / ha) * (bb / np.where(ba > 0, ba, np.nan)) / (fb / fa) - 1
+        r["ci_pct"] = [100 * float(np.nanquantile(rel, tail)), 100 * float(np.nanquantile(rel, 1 - tail))]
+    sig = abs(r["delta_pct"]) >= 100 * rule.min_effect["rate"] and abs(fb - fa) >= 0.05 and (lo > 0 or hi < 0)
+    r["significant"] = bool(sig)
+    r["worse"] = bool(sig and hb < ha)
+    return r
 
 
 def _headline(r: dict, ha: float, hb: float, rule: Rule) -> dict:

@@ -235,7 +235,7 @@ def _window_steps(n: int, pre: dict, mem: dict, a: np.ndarray, b: np.ndarray) ->
         "engine.kv": np.where(rc, host + fwd + samp + outp, 0.0),
     }
     gap = ov(end, mem["next_start"], lo, hi)
-    trailing = mem["next_start"] >= hi
+    trailing = mem["next_start"] >= hi - 1e-9  # within 1 ns: float seconds from ns clocks
     parts["engine.output"] = parts["engine.output"] + np.where(trailing, gap, 0.0)
     inner = ~trailing
     parts["engine.schedule"] = parts["engine.schedule"] + np.where(inner & (mem["skipped"] <= 0), gap, 0.0)

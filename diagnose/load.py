@@ -24,13 +24,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from layerscope.diagnose.errors import RunError
 from layerscope.probes import schema
 
+__all__ = ["Run", "RunError", "load_run"]
 METRICS_FILE = "metrics.prom"
-
-
-class RunError(ValueError):
-    """A run bundle is missing, corrupt or of an unknown schema version."""
 
 
 @dataclass

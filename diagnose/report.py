@@ -16,7 +16,7 @@ import pandas as pd
 
 from layerscope.diagnose import decompose, model
 from layerscope.diagnose.analysis import RunAnalysis
-from layerscope.diagnose.compare import meets_slo, slos
+from layerscope.diagnose.comparison import meets_slo, slos
 from layerscope.diagnose.detectors import detect
 from layerscope.diagnose.load import Run
 

@@ -137,6 +137,8 @@ def _make_requests(spec: SynthSpec, rng) -> list[dict[str, Any]]:
         else:
             replica, rr = rr % spec.replicas, rr + 1
         p = int(prompt[i]) + (spec.prefix_tokens if shared[i] else 0)
+        if not spec.enable_chunked_prefill:  # the engine refuses prompts longer than one step's budget
+            p = min(p, spec.max_num_batched_tokens - int(output[i]) - 1)
         gw_arr = send[i] + spec.client_net_s
         admitted = gw_arr + spec.gateway_base_s + spec.gateway_delay_s if spec.gateway else gw_arr
         arr = admitted + spec.route_s if spec.gateway else gw_arr

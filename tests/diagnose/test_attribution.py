@@ -1,0 +1,69 @@
+"""Each synthetic knob moves time in one layer; the comparison must name that layer as primary."""
+
+import math
+
+import pytest
+
+from layerscope.diagnose.comparison import compare
+
+# name: (baseline knobs, candidate knobs, expected primary layer)
+CASES = {
+    "gateway_delay": ({}, dict(gateway_delay_s=0.02), "gateway.queue"),
+    "step_overhead": ({}, dict(step_overhead_s=0.002), "engine.schedule"),
+    "layer_delay": ({}, dict(layer_delay_s={"layers.2.mlp": 0.003}), "model.forward"),
+    "kernel_slowdown": ({}, dict(kernel_slowdown=1.8), "kernel.compute"),
+    "launch_gap": ({}, dict(launch_gap_s=0.00005), "kernel.launch_gap"),
+    "output_delay": ({}, dict(output_delay_s=0.002), "engine.output"),
+    "collective_delay": (dict(tp_size=2), dict(tp_size=2, collective_delay_s=0.0003), "parallel.collective"),
+    "router_skew": (dict(replicas=2), dict(replicas=2, router_skew=0.6), "gateway.route"),
+    "kv_blocks": ({}, dict(num_kv_blocks=120), "engine.kv"),
+    "max_num_seqs": ({}, dict(max_num_seqs=4), "engine.queue"),
+    "prefix_caching_off": (dict(prefix_share=0.9, prefix_tokens=600),
+                           dict(prefix_share=0.9, prefix_tokens=600, enable_prefix_caching=False), "engine.kv"),
+    "token_budget": (dict(prompt_tokens_mean=1500, arrival_rate_per_s=15),
+                     dict(prompt_tokens_mean=1500, arrival_rate_per_s=15, max_num_batched_tokens=256), "engine.queue"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_knob_is_attributed_to_its_layer(synth, case):
+    base_kw, cand_kw, layer = CASES[case]
+    c = compare(synth(seed=1, **base_kw), synth(seed=1, noise_seed=2, **cand_kw))
+    d = c.diagnosis
+    assert d["verdict"] == "regression", d["metrics"]
+    assert d["primary"]["layer"] == layer, [(f["metric"], f["layer"], f["share"], f["cause"]) for f in d["findings"]]
+    top = d["findings"][0]
+    assert top["evidence"] and top["cause"]
+    assert top["share"] >= 0.5
+
+
+def test_shares_sum_to_the_quantile_delta_with_the_residual(synth):
+    c = compare(synth(seed=1), synth(seed=1, noise_seed=2, step_overhead_s=0.002))
+    for name, comp in c.attribution.items():
+        m = c.diagnosis["metrics"][name]
+        if name.endswith("_s") and name != "output_tokens_per_s" and "goodput" not in name:
+            assert comp["delta_s"].sum() == pytest.approx(m["candidate"] - m["baseline"], rel=1e-9, abs=1e-12)
+            assert comp["share"].sum() == pytest.approx(1.0)
+        assert comp.iloc[-1]["layer"] == "residual"
+
+
+def test_findings_are_ordered_and_name_config_changes(synth):
+    d = compare(synth(seed=1), synth(seed=1, noise_seed=2, max_num_seqs=4)).diagnosis
+    assert d["findings"][0]["layer"] == "engine.queue"
+    assert any("max_num_seqs 64 -> 4" in c for c in d["findings"][0]["config_changes"])
+    row = next(r for r in d["config_diff"] if r["key"] == "max_num_seqs")
+    assert row["layer"] == "engine.queue" and row["consistent"] is True
+    assert row["baseline_source"] == "default" and row["candidate_source"] == "set"
+
+
+def test_json_shape_is_designs(synth):
+    d = compare(synth(seed=1), synth(seed=1, noise_seed=2, gateway_delay_s=0.02)).diagnosis
+    assert list(d) == ["schema", "baseline", "candidate", "verdict", "metrics", "findings", "primary", "config_diff",
+                       "workload_diff"]
+    assert d["schema"] == "layerscope.diagnosis/1"
+    for m in d["metrics"].values():
+        assert list(m)[:4] == ["baseline", "candidate", "delta_pct", "significant"]
+    for f in d["findings"]:
+        assert set(f) == {"metric", "layer", "share", "delta_s", "cause", "evidence", "config_changes"}
+        assert not (isinstance(f["share"], float) and math.isnan(f["share"]))
+    assert d["primary"] == {"metric": d["findings"][0]["metric"], "layer": "gateway.queue"}

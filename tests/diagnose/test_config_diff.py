@@ -1,0 +1,75 @@
+"""Config diff: the key -> layer table mirrors the engine's registry; diffs name key, values, layer."""
+
+import json
+
+from layerscope.diagnose.config_diff import CONFIG_DEFAULTS, CONFIG_LAYERS, config_diff, diff_records
+from layerscope.diagnose.load import load_run
+
+
+def test_table_equals_engine_config_keys():
+    from layerscope.engine.config import EngineConfig, config_keys, flatten_config  # the test may import it
+
+    assert CONFIG_LAYERS == {k: v["layer"] for k, v in config_keys().items()}
+    assert CONFIG_DEFAULTS == flatten_config(EngineConfig().to_dict())
+
+
+def _with_config(path, **changes):
+    m = json.loads((path / "manifest.json").read_text())
+    for k, v in changes.items():
+        if k.startswith("gateway."):
+            m["config"]["gateway"][k.split(".", 1)[1]] = v
+        else:
+            m["config"][k] = v
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def test_changed_default_names_key_values_and_layer(synth, tmp_path):
+    import shutil
+    from pathlib import Path
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(synth(seed=1), a)
+    shutil.copytree(synth(seed=1), b)
+    _with_config(b, max_num_batched_tokens=512)  # the new version's default; neither command line sets it
+    rows = diff_records(config_diff(a, b))
+    assert rows == [{"kind": "config", "key": "max_num_batched_tokens", "baseline": 2048, "candidate": 512,
+                     "layer": "engine.queue", "baseline_source": "default", "candidate_source": "default",
+                     "consistent": None}]
+    assert Path(a).exists()
+
+
+def test_gateway_keys_and_versions_and_hardware(synth, tmp_path):
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(synth(seed=1), a)
+    shutil.copytree(synth(seed=1), b)
+    _with_config(b, **{"gateway.max_concurrency": 8})
+    m = json.loads((b / "manifest.json").read_text())
+    m["versions"]["torch"] = "2.13.0"
+    m["hardware"]["cpu"] = "other"
+    (b / "manifest.json").write_text(json.dumps(m))
+    df = config_diff(load_run(a), load_run(b)).set_index("key")
+    assert df.loc["gateway.max_concurrency", "layer"] == "gateway.queue"
+    assert df.loc["torch", "kind"] == "version" and df.loc["torch", "layer"] == "kernel.compute"
+    assert df.loc["cpu", "kind"] == "hardware"
+
+
+def test_config_files_json_and_toml(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"max_num_seqs": 64, "gateway": {"max_queue": 10}}))
+    (tmp_path / "b.toml").write_text('max_num_seqs = 32\nenable_prefix_caching = false\n[gateway]\nmax_queue = 10\n')
+    df = config_diff(tmp_path / "a.json", tmp_path / "b.toml").set_index("key")
+    assert set(df.index) == {"max_num_seqs", "enable_prefix_caching"}
+    assert df.loc["enable_prefix_caching", "baseline_source"] == "default"
+    assert df.loc["enable_prefix_caching", "candidate_source"] == "set"
+    assert df.loc["max_num_seqs", "layer"] == "engine.queue"
+
+
+def test_unknown_key_in_config_file_is_an_error(tmp_path):
+    import pytest
+
+    from layerscope.diagnose.errors import RunError
+
+    (tmp_path / "a.json").write_text(json.dumps({"max_num_seq": 64}))
+    with pytest.raises(RunError, match="max_num_seq"):
+        config_diff(tmp_path / "a.json", tmp_path / "a.json")
