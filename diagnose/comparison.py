@@ -48,12 +48,16 @@ class Comparison:
 
 def slos(a: RunAnalysis, given: dict[str, float] | None = None) -> dict[str, float]:
     """SLOs in seconds (ttft_s, tpot_s, e2e_s): those given, else the workload spec's
-    ``slo`` entry, else 2x the baseline's p90 for TTFT and TPOT (E2E unconstrained)."""
+    (``slo_ttft_s``/``slo_tpot_s``/``slo_e2e_s``, or an ``slo`` table), else 2x the
+    baseline's p90 for TTFT and TPOT (E2E unconstrained)."""
     if given:
         return {k: float(v) for k, v in given.items() if v}
-    spec = (a.run.manifest.get("workload") or {}).get("slo") or {}
+    wl = a.run.manifest.get("workload") or {}
+    spec = {k: wl.get(f"slo_{k}") for k in ("ttft_s", "tpot_s", "e2e_s")}
+    spec.update({k: v for k, v in (wl.get("slo") or {}).items() if k in spec})
+    spec = {k: float(v) for k, v in spec.items() if v}
     if spec:
-        return {k: float(v) for k, v in spec.items() if k in ("ttft_s", "tpot_s", "e2e_s") and v}
+        return spec
     ok = a.ok
     out = {}
     for m in ("ttft", "tpot"):

@@ -96,7 +96,7 @@ def prefill_decode_balance(a: RunAnalysis) -> Finding | None:
 def prefix_cache(a: RunAnalysis) -> Finding | None:
     spec = a.run.manifest.get("workload") or {}
     heavy = any("prefix" in k.lower() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                for k, v in spec.items()) or "agent" in str(spec.get("name", "")).lower()
+                for k, v in spec.items()) or spec.get("kind") == "agentic" or "agent" in str(spec.get("name", "")).lower()
     if not heavy:
         return None
     i = a.indicators

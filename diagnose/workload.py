@@ -39,10 +39,20 @@ def arrivals_s(run: Run) -> np.ndarray:
 
 
 def is_closed_loop(spec: dict[str, Any]) -> bool:
+    """Arrivals depend on the server's pace: sessions whose next turn waits for the previous
+    answer (``kind`` agentic), a client-side concurrency cap, or a concurrency and no rate."""
+    if spec.get("kind") == "agentic" or (spec.get("max_concurrency") or 0) > 0:
+        return True
     keys = {k.lower() for k in spec}
     has_conc = any("concurrency" in k for k in keys)
     has_rate = any("rate" in k or "qps" in k for k in keys)
     return has_conc and not has_rate
+
+
+def is_all_at_once(spec: dict[str, Any]) -> bool:
+    """Every request at t=0 (an offline throughput run): there is no arrival rate to compare."""
+    rate = spec.get("rate")
+    return spec.get("kind") == "offline" or (isinstance(rate, (int, float)) and rate <= 0)
 
 
 def workload_profile(run: Run) -> dict[str, float]:
@@ -79,6 +89,7 @@ def workload_diff(base: Run, cand: Run) -> pd.DataFrame:
     pa, pb = workload_profile(base), workload_profile(cand)
     sa, sb = base.manifest.get("workload") or {}, cand.manifest.get("workload") or {}
     closed = is_closed_loop(sa) or is_closed_loop(sb)
+    at_once = is_all_at_once(sa) and is_all_at_once(sb)
     ra, rb = base.requests, cand.requests
     rows = []
 
@@ -99,12 +110,14 @@ def workload_diff(base: Run, cand: Run) -> pd.DataFrame:
     a, b = pa["arrival_rate_per_s"], pb["arrival_rate_per_s"]
     big = _big(a, b)
     p = mann_whitney_p(np.diff(ta), np.diff(tb)) if big and len(ta) > 2 and len(tb) > 2 else math.nan
-    if closed:
+    if at_once:
+        add("arrival_rate_per_s", a, b, False, "every request sent at t=0")
+    elif closed:
         add("arrival_rate_per_s", a, b, False, "closed-loop workload: arrivals follow the server's pace")
     else:
         add("arrival_rate_per_s", a, b, big and p < ALPHA, f"inter-arrival Mann-Whitney p={p:.1g}" if big else "")
     ca, cb = pa["interarrival_cv"], pb["interarrival_cv"]
-    burst = not closed and _big(ca, cb, 50.0) and abs(cb - ca) >= 0.3 and min(len(ta), len(tb)) >= 50
+    burst = not closed and not at_once and _big(ca, cb, 50.0) and abs(cb - ca) >= 0.3 and min(len(ta), len(tb)) >= 50
     add("interarrival_cv", ca, cb, burst, "burstiness")
     # prefix sharing is only comparable from the spec (cache hits depend on the config)
     add("cached_token_frac", pa["cached_token_frac"], pb["cached_token_frac"], False,

@@ -1,0 +1,451 @@
+"""Views of one run for browsing (the TUI's data): plain functions from a loaded run to
+DataFrames and dataclasses. Headless: no textual import; the TUI only renders these.
+
+* ``open_run(path) -> RunView``: the run, its single-run report, and lazily its request table,
+  step series and per-request details
+* ``request_table(a)``: one row per request, slowest first; ``sort_requests``, ``filter_requests``
+* ``request_detail(a, request_id) -> RequestDetail``: the waterfall (time-ordered phases), E2E
+  by layer, lifecycle events, the steps it joined (batch composition, KV state), model time per
+  layer row and kernels vs launch gaps on those steps
+* ``step_series(a)``: per step over the run (step time, batch, KV usage, waiting queue)
+* ``find_runs(folder)``: run bundles under a folder (manifest only)
+
+Durations in seconds; ``*_at_s`` / ``start_s`` offsets are seconds from the request's
+server-side arrival (gateway arrival, else engine arrival).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerscope.diagnose import decompose, model
+from layerscope.diagnose.analysis import RunAnalysis
+from layerscope.diagnose.load import Run, load_run
+from layerscope.diagnose.report import summarize
+
+REQUEST_COLUMNS = ["request_id", "ttft_s", "tpot_s", "e2e_s", "queue_s", "num_preemptions", "replica", "status",
+                   "dominant_layer", "num_prompt_tokens", "num_output_tokens"]
+QUEUE_LAYERS = ("gateway.queue", "engine.queue")
+PHASES = ("gateway.queue", "gateway.route", "engine.queue", "prefill", "decode", "engine.output")
+
+
+class FilterError(ValueError):
+    """A request filter that cannot be parsed."""
+
+
+# ---- one run -------------------------------------------------------------------------------------
+class RunView:
+    """One run opened for browsing; each view is computed once, on first use."""
+
+    def __init__(self, analysis: RunAnalysis):
+        self.analysis = analysis
+
+    @property
+    def name(self) -> str:
+        return self.analysis.name
+
+    @cached_property
+    def summary(self) -> dict[str, Any]:
+        """report.summarize: headline figures, time shares, findings, slowest requests."""
+        return summarize(self.analysis)
+
+    @cached_property
+    def requests(self) -> pd.DataFrame:
+        return request_table(self.analysis)
+
+    @cached_property
+    def steps(self) -> pd.DataFrame:
+        return step_series(self.analysis)
+
+    def detail(self, request_id: str) -> "RequestDetail":
+        return request_detail(self.analysis, request_id)
+
+
+def open_run(path: str | Path) -> RunView:
+    """Load the bundle at ``path`` and compute its report (what an overview shows). Raises RunError."""
+    view = RunView(RunAnalysis(load_run(str(path))))
+    view.summary  # noqa: B018 - computed here, in the caller's (worker) thread
+    return view
+
+
+# ---- the request table ---------------------------------------------------------------------------
+def request_table(a: RunAnalysis) -> pd.DataFrame:
+    """One row per request, slowest E2E first (requests without an E2E, e.g. rejected, last).
+
+    Columns: REQUEST_COLUMNS; queue_s is gateway.queue + engine.queue inside the E2E window.
+    """
+    bd = a.breakdown
+    df = bd[["request_id", "ttft_s", "tpot_s", "e2e_s"]].copy()
+    df["queue_s"] = sum(bd[decompose.col("e2e", layer)] for layer in QUEUE_LAYERS)
+    for c in ("num_preemptions", "replica", "status", "dominant_layer", "num_prompt_tokens", "num_output_tokens"):
+        df[c] = bd[c].to_numpy()
+    return sort_requests(df, "e2e_s")
+
+
+def sort_requests(df: pd.DataFrame, column: str, descending: bool = True) -> pd.DataFrame:
+    """Stable sort by ``column``; missing values last in either direction."""
+    return df.sort_values(column, ascending=not descending, na_position="last", kind="stable").reset_index(drop=True)
+
+
+_FILTER_FIELDS = {
+    "ttft": "ttft_s", "tpot": "tpot_s", "e2e": "e2e_s", "queue": "queue_s", "preemptions": "num_preemptions",
+    "preempt": "num_preemptions", "replica": "replica", "status": "status", "layer": "dominant_layer",
+    "id": "request_id", "prompt": "num_prompt_tokens", "output": "num_output_tokens",
+}
+_TERM = re.compile(r"^(\w+)\s*(>=|<=|!=|=|>|<|:)\s*(.+)$")
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def filter_requests(df: pd.DataFrame, query: str) -> pd.DataFrame:
+    """Rows matching every space-separated term of ``query`` (order kept).
+
+    A term is ``FIELD OP VALUE`` (fields: ttft tpot e2e queue preemptions replica status layer
+    id prompt output; ops: > >= < <= = != and ``:`` for "contains"; times take a unit, ms/us/s,
+    seconds by default: ``e2e>1.5s``, ``ttft>=200ms``, ``replica=1``, ``status:reject``), or
+    bare text, matched case-insensitively against request id, status and dominant layer.
+    Raises FilterError on an unknown field or a bad number.
+    """
+    mask = np.ones(len(df), bool)
+    for term in query.split():
+        m = _TERM.match(term)
+        if not m:
+            text = df["request_id"].astype(str) + " " + df["status"].astype(str) + " " + df["dominant_layer"].astype(str)
+            mask &= text.str.contains(term, case=False, regex=False).to_numpy()
+            continue
+        field, op, value = m.groups()
+        column = _FILTER_FIELDS.get(field.lower())
+        if column is None:
+            raise FilterError(f"unknown field {field!r} (fields: {', '.join(sorted(_FILTER_FIELDS))})")
+        col = df[column]
+        if op == ":":
+            mask &= col.astype(str).str.contains(value, case=False, regex=False).to_numpy()
+        elif column in ("status", "dominant_layer", "request_id") and op in ("=", "!="):
+            eq = (col.astype(str).str.lower() == value.lower()).to_numpy()
+            mask &= eq if op == "=" else ~eq
+        else:
+            x = _number(value, column.endswith("_s"))
+            v = col.to_numpy(np.float64)
+            with np.errstate(invalid="ignore"):
+                mask &= {">": v > x, ">=": v >= x, "<": v < x, "<=": v <= x, "=": v == x, "!=": v != x}[op]
+    return df[mask].reset_index(drop=True)
+
+
+def _number(text: str, is_time: bool) -> float:
+    m = re.fullmatch(r"([-+]?[0-9]*\.?[0-9]+(?:e[-+]?\d+)?)(us|ms|s)?", text.strip().lower())
+    if not m or (m.group(2) and not is_time):
+        raise FilterError(f"not a {'duration' if is_time else 'number'}: {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+# ---- one request ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Phase:
+    """One bar of the waterfall: a stretch of the request's life, in time order."""
+
+    name: str  # one of PHASES
+    label: str  # e.g. "prefill (3 chunks, steps 9021-9023)"
+    start_s: float  # from arrival
+    duration_s: float
+    share: float  # of E2E
+
+
+@dataclass(frozen=True)
+class RequestDetail:
+    request_id: str
+    replica: Any
+    status: str
+    error: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    num_preemptions: int
+    phases: list[Phase]
+    dominant_phase: str | None  # the longest phase
+    layers: pd.DataFrame  # E2E by layer: layer, duration_s, share (decompose's components + residual)
+    dominant_layer: str | None
+    events: pd.DataFrame  # at_s, event, detail
+    steps: pd.DataFrame  # see request_steps
+    model_rows: pd.DataFrame  # model.layer_rows over the timed steps it joined
+    kernels: dict[str, float]  # model.kernel_summary over the profiled steps it joined
+    collectives: pd.DataFrame  # model.collective_ranks over the steps it joined
+
+
+def request_detail(a: RunAnalysis, request_id: str) -> RequestDetail:
+    """Everything the request-detail view shows for one request. Raises KeyError if unknown."""
+    run = a.run
+    rows = np.flatnonzero(run.requests["request_id"].to_numpy() == request_id)
+    if not len(rows):
+        raise KeyError(request_id)
+    i = int(rows[0])
+    r = run.requests.iloc[i]
+    bd = a.breakdown.iloc[i]
+    t = _times(r)
+    steps = request_steps(a, i, t)
+    phases = _phases(r, t, steps)
+    layers = pd.DataFrame({"layer": [*decompose.COMPONENTS, "residual"],
+                           "duration_s": [bd[decompose.col("e2e", layer)] for layer in decompose.COMPONENTS]
+                           + [bd["e2e_residual_s"]]})
+    e2e = float(r["e2e_s"])
+    layers["share"] = layers["duration_s"] / e2e if e2e > 0 else np.nan
+    sub = _sub_run(run, steps)
+    return RequestDetail(
+        request_id=request_id, replica=_py(r["replica"]), status=str(r["status"]),
+        error=r["error"] if isinstance(r["error"], str) else None,
+        num_prompt_tokens=_int(r["num_prompt_tokens"]), num_cached_tokens=_int(r["num_cached_tokens"]),
+        num_output_tokens=_int(r["num_output_tokens"]), ttft_s=float(r["ttft_s"]), tpot_s=float(r["tpot_s"]),
+        e2e_s=e2e, num_preemptions=_int(r["num_preemptions"]), phases=phases,
+        dominant_phase=max(phases, key=lambda p: p.duration_s).name if phases else None,
+        layers=layers, dominant_layer=bd["dominant_layer"], events=request_events(a, i, t, steps), steps=steps,
+        model_rows=model.layer_rows(sub), kernels=model.kernel_summary(sub), collectives=model.collective_ranks(sub))
+
+
+def _times(r: pd.Series) -> dict[str, float]:
+    """The request's lifecycle timestamps in seconds from its arrival (NaN where not recorded)."""
+    arrival = r["gateway_arrival_ns"] if not _nan(r["gateway_arrival_ns"]) else r["engine_arrival_ns"]
+    out = {k[:-3]: (float(r[k]) - float(arrival)) / 1e9 for k in r.index if k.endswith("_ns")}
+    out["end"] = float(r["e2e_s"])
+    return out
+
+
+def request_steps(a: RunAnalysis, row: int, t: dict[str, float] | None = None) -> pd.DataFrame:
+    """The steps request ``row`` (position in run.requests) was computed in, in time order.
+
+    Columns: step_row, step_id, replica, at_s (step start), kind (prefill | decode | recompute),
+    num_tokens (its tokens in the step), step_s, forward_s, num_prefill_seqs, num_decode_seqs,
+    num_batched_tokens, num_running, num_waiting, num_kv_blocks_free, num_kv_blocks_total,
+    kv_usage (fraction of blocks in use after the step), num_preemptions, is_timed (layer rows
+    recorded), is_profiled (kernel events recorded).
+    """
+    run = a.run
+    t = t if t is not None else _times(run.requests.iloc[row])
+    m = run.memberships
+    m = m[m["request_row"].to_numpy() == row]
+    s = run.steps.iloc[m["step_row"].to_numpy()]
+    arrival_ns = run.requests.iloc[row]["gateway_arrival_ns"]
+    if _nan(arrival_ns):
+        arrival_ns = run.requests.iloc[row]["engine_arrival_ns"]
+    at = (s["start_ns"].to_numpy(np.float64) - float(arrival_ns)) / 1e9
+    ntok = m["num_tokens"].to_numpy()
+    first = t["engine_first_token"] if not math.isnan(t["engine_first_token"]) else t["ttft"] if "ttft" in t else np.inf
+    kind = np.where(at < first - 1e-9, "prefill", np.where(ntok > 1, "recompute", "decode"))
+    total = s["num_kv_blocks_total"].to_numpy(np.float64)
+    free = s["num_kv_blocks_free"].to_numpy(np.float64)
+    keys = set(zip(s["step_id"], s["replica"]))
+    timed = set(zip(run.layers["step_id"], run.layers["replica"])) & keys
+    profiled = set(zip(run.kernels["step_id"], run.kernels["replica"])) & keys
+    out = pd.DataFrame({
+        "step_row": m["step_row"].to_numpy(), "step_id": s["step_id"].to_numpy(), "replica": s["replica"].to_numpy(),
+        "at_s": at, "kind": kind, "num_tokens": ntok,
+        **{c: s[c].to_numpy() for c in ("step_s", "forward_s", "num_prefill_seqs", "num_decode_seqs",
+                                        "num_batched_tokens", "num_running", "num_waiting", "num_kv_blocks_free",
+                                        "num_kv_blocks_total")},
+        "kv_usage": np.where(total > 0, 1 - free / np.where(total > 0, total, 1), np.nan),
+        "num_preemptions": s["num_preemptions"].to_numpy(),
+        "is_timed": [k in timed for k in zip(s["step_id"], s["replica"])],
+        "is_profiled": [k in profiled for k in zip(s["step_id"], s["replica"])],
+    })
+    return out.sort_values("at_s", kind="stable").reset_index(drop=True)
+
+
+def _phases(r: pd.Series, t: dict[str, float], steps: pd.DataFrame) -> list[Phase]:
+    e2e = t["end"]
+    first_step = float(steps["at_s"].iloc[0]) if len(steps) else np.nan
+    scheduled = t["engine_scheduled"] if not math.isnan(t["engine_scheduled"]) else first_step
+    first_tok = t["engine_first_token"]
+    finished = t["engine_finished"]
+    pre = steps[steps["kind"] == "prefill"]
+    dec = steps[steps["kind"] != "prefill"]
+    chunks = _int(r["num_prefill_chunks"]) or len(pre)
+    prefill = f"prefill ({chunks} chunk{'s' * (chunks != 1)}{_step_range(pre)})"
+    pre_n = _int(r["num_preemptions"])
+    decode = f"decode ({len(dec)} step{'s' * (len(dec) != 1)}{_step_range(dec)}" + (
+        f", {pre_n} preemption{'s' * (pre_n != 1)})" if pre_n else ")")
+    bounds = [("gateway.queue", "gateway.queue", t["gateway_arrival"], t["gateway_admitted"]),
+              ("gateway.route", "gateway.route", t["gateway_admitted"], t["engine_arrival"]),
+              ("engine.queue", "engine.queue", t["engine_arrival"], scheduled),
+              ("prefill", prefill, scheduled, first_tok),
+              ("decode", decode, first_tok, finished),
+              ("engine.output", "engine.output", finished, e2e)]
+    if math.isnan(t["engine_arrival"]):  # never reached the engine: all of it waited at the gateway
+        bounds = [("gateway.queue", "gateway.queue", t["gateway_arrival"], e2e if not math.isnan(e2e) else np.nan)]
+    out = []
+    total = e2e if e2e > 0 else np.nan
+    for name, label, lo, hi in bounds:
+        if math.isnan(lo) or math.isnan(hi):
+            continue
+        d = max(hi - lo, 0.0)
+        out.append(Phase(name, label, lo, d, d / total if total == total else np.nan))
+    return out
+
+
+def _step_range(st: pd.DataFrame) -> str:
+    if not len(st):
+        return ""
+    lo, hi = int(st["step_id"].min()), int(st["step_id"].max())
+    return f", step {lo}" if lo == hi else f", steps {lo}-{hi}"
+
+
+def request_events(a: RunAnalysis, row: int, t: dict[str, float] | None = None,
+                   steps: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The request's lifecycle in time order. Columns: at_s (from arrival), event, detail."""
+    run = a.run
+    r = run.requests.iloc[row]
+    t = t if t is not None else _times(r)
+    steps = steps if steps is not None else request_steps(a, row, t)
+    ev: list[tuple[float, str, str]] = []
+
+    def add(key: str, event: str, detail: str = "") -> None:
+        if not math.isnan(t.get(key, np.nan)):
+            ev.append((t[key], event, detail))
+
+    add("client_send", "sent", "client")
+    add("gateway_arrival", "arrived", "gateway")
+    add("gateway_admitted", "admitted", "gateway")
+    add("gateway_routed", "routed", f"to replica {_py(r['replica'])}")
+    add("engine_arrival", "queued", "engine waiting queue")
+    if len(steps):
+        s0 = steps.iloc[0]
+        ev.append((float(s0["at_s"]), "scheduled", _state(s0, a.cfg("max_num_seqs"))))
+    add("engine_first_token", "first token", "engine")
+    add("gateway_first_token", "first token streamed", "gateway")
+    for start, end in _preemptions(a, row, r, steps):
+        s = _step_at(steps, start)
+        ev.append((start, "preempted", "KV exhausted" + (f" (KV used {s['kv_usage']:.0%})" if s is not None else "")))
+        if not math.isnan(end):
+            s = _step_at(steps, end, after=True)
+            ev.append((end, "resumed", f"recomputed {int(s['num_tokens'])} tokens" if s is not None else ""))
+    add("engine_finished", "finished", str(r["status"]))
+    add("gateway_finished", "finished streaming", "gateway")
+    add("client_done", "done", "client")
+    if isinstance(r["error"], str) and r["error"]:
+        ev.append((t["end"] if not math.isnan(t["end"]) else 0.0, "error", r["error"]))
+    df = pd.DataFrame(ev, columns=["at_s", "event", "detail"])
+    return df.sort_values("at_s", kind="stable").reset_index(drop=True)
+
+
+def _state(s: pd.Series, max_num_seqs: Any) -> str:
+    running = f"running {int(s['num_running'])}" + (f"/{max_num_seqs}" if max_num_seqs else "")
+    kv = f", KV used {s['kv_usage']:.0%}" if not _nan(s["kv_usage"]) else ""
+    return f"step {int(s['step_id'])}: {running}, waiting {int(s['num_waiting'])}{kv}"
+
+
+def _preemptions(a: RunAnalysis, row: int, r: pd.Series, steps: pd.DataFrame) -> list[tuple[float, float]]:
+    """(start, end) offsets of each preemption: recorded engine.kv spans, else the recompute steps."""
+    sp = a.run.spans
+    origin = r["gateway_arrival_ns"] if not _nan(r["gateway_arrival_ns"]) else r["engine_arrival_ns"]
+    if not sp.empty:
+        kv = sp[(sp["layer"] == "engine.kv") & (sp["request_id"] == r["request_id"])]
+        if len(kv):
+            return [((float(s) - origin) / 1e9, (float(e) - origin) / 1e9 if not _nan(e) else np.nan)
+                    for s, e in zip(kv["start_ns"], kv["end_ns"])]
+    rc = steps[steps["kind"] == "recompute"]
+    return [(np.nan, float(x)) for x in rc["at_s"]] if _int(r["num_preemptions"]) else []
+
+
+def _step_at(steps: pd.DataFrame, at: float, after: bool = False) -> pd.Series | None:
+    if math.isnan(at) or not len(steps):
+        return None
+    sel = steps[steps["at_s"] >= at - 1e-9] if after else steps[steps["at_s"] <= at + 1e-9]
+    if not len(sel):
+        return None
+    return sel.iloc[0] if after else sel.iloc[-1]
+
+
+def _sub_run(run: Run, steps: pd.DataFrame) -> Run:
+    """The run cut down to the given steps (for model.* on one request's steps)."""
+    keys = pd.MultiIndex.from_arrays([steps["step_id"].to_numpy(), steps["replica"].to_numpy()])
+
+    def cut(df: pd.DataFrame) -> pd.DataFrame:
+        if df.empty:
+            return df
+        idx = pd.MultiIndex.from_arrays([df["step_id"].to_numpy(), df["replica"].to_numpy()])
+        return df[idx.isin(keys)]
+
+    return dataclasses.replace(run, steps=run.steps.iloc[steps["step_row"].to_numpy()], layers=cut(run.layers),
+                               kernels=cut(run.kernels), collectives=cut(run.collectives), _membership_arrow=None)
+
+
+# ---- steps over the run --------------------------------------------------------------------------
+def step_series(a: RunAnalysis) -> pd.DataFrame:
+    """One row per step in start order (all replicas). Columns: t_s (start, from the run's first
+    event), replica, step_id, step_s, num_seqs, num_batched_tokens, kv_usage, num_running,
+    num_waiting, num_preemptions."""
+    s, st = a.run.steps, a.steps
+    total = s["num_kv_blocks_total"].to_numpy(np.float64)
+    free = s["num_kv_blocks_free"].to_numpy(np.float64)
+    df = pd.DataFrame({
+        "t_s": st["t_start_s"].to_numpy(), "replica": s["replica"].to_numpy(), "step_id": s["step_id"].to_numpy(),
+        "step_s": s["step_s"].to_numpy(np.float64),
+        "num_seqs": (s["num_prefill_seqs"].fillna(0) + s["num_decode_seqs"].fillna(0)).to_numpy(),
+        "num_batched_tokens": s["num_batched_tokens"].to_numpy(),
+        "kv_usage": np.where(total > 0, 1 - free / np.where(total > 0, total, 1), np.nan),
+        "num_running": s["num_running"].to_numpy(), "num_waiting": s["num_waiting"].to_numpy(),
+        "num_preemptions": s["num_preemptions"].to_numpy(),
+    })
+    return df.sort_values("t_s", kind="stable").reset_index(drop=True)
+
+
+def series_stats(series: pd.DataFrame, columns: tuple[str, ...]) -> pd.DataFrame:
+    """Per column of ``series``: mean, p50, p99, max (NaN ignored). Columns: name, mean, p50, p99, max."""
+    rows = []
+    for c in columns:
+        v = series[c].to_numpy(np.float64)
+        v = v[~np.isnan(v)]
+        q = np.quantile(v, [0.5, 0.99]) if len(v) else [np.nan, np.nan]
+        rows.append((c, float(v.mean()) if len(v) else np.nan, float(q[0]), float(q[1]),
+                     float(v.max()) if len(v) else np.nan))
+    return pd.DataFrame(rows, columns=["name", "mean", "p50", "p99", "max"])
+
+
+# ---- bundles on disk -----------------------------------------------------------------------------
+def find_runs(folder: str | Path) -> pd.DataFrame:
+    """Run bundles directly under ``folder`` (directories with a manifest.json or Parquet tables),
+    newest first. Reads manifests only. Columns: name, path, run_id, workload, num_requests,
+    start_time, error (None when the manifest reads)."""
+    cols = ["name", "path", "run_id", "workload", "num_requests", "start_time", "error"]
+    root = Path(folder)
+    rows = []
+    if root.is_dir():
+        for p in sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: -d.stat().st_mtime):
+            f = p / "manifest.json"
+            if not f.is_file():
+                if any(p.glob("*.parquet")):
+                    rows.append((p.name, str(p), None, None, None, None, "missing manifest.json"))
+                continue
+            try:
+                m = json.loads(f.read_text())
+                if not isinstance(m, dict):
+                    raise ValueError("not a JSON object")
+            except (ValueError, UnicodeDecodeError) as e:
+                rows.append((p.name, str(p), None, None, None, None, f"corrupt manifest ({e})"))
+                continue
+            rows.append((p.name, str(p), m.get("run_id"), (m.get("workload") or {}).get("name"),
+                         (m.get("summary") or {}).get("requests"), m.get("start_time"), None))
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _nan(x: Any) -> bool:
+    return x is None or (isinstance(x, (float, np.floating)) and math.isnan(x))
+
+
+def _int(x: Any) -> int:
+    return 0 if _nan(x) else int(x)
+
+
+def _py(x: Any) -> Any:
+    if _nan(x):
+        return None
+    return x.item() if hasattr(x, "item") else x
