@@ -1,0 +1,246 @@
+"""OpenAI wire format: request models, validation into SamplingParams, response shapes.
+
+Requests are parsed with pydantic (unknown fields are ignored, as OpenAI clients send
+fields we don't use); responses are plain dicts built here, so the hot streaming path
+does no model validation. Every refusal is an ``APIError`` that renders as OpenAI's
+error object: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from layerscope.engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+class APIError(Exception):
+    """A request the gateway refuses, with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---- requests ---------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names + vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension
+    min_tokens: int = 0  # vLLM extension
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Any = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """Validate into engine SamplingParams; raises APIError(400) naming the bad field."""
+        if self.n != 1:
+            raise APIError(400, f"n must be 1 (got {self.n}); this server generates one choice per request", param="n")
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported by this server (must be 0)", param=name)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                seed=self.seed,
+                stop=stop,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+            )
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (text or token ids); batched prompts are refused."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"batched prompts are not supported ({len(p)} given); send one per request",
+                               param="prompt")
+            p = p[0]
+        if self.echo:
+            raise APIError(400, "echo is not supported by this server", param="echo")
+        if not p:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return p
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text":
+                raise APIError(400, f"content part type {part.type!r} is not supported (text only)",
+                               param="messages")
+            parts.append(part.text or "")
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True  # vLLM extension
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
+    """JSON bytes -> request model; malformed JSON or a schema violation is APIError(400)."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        raise APIError(400, f"invalid request: {loc}: {err.get('msg')} ({len(e.errors())} error(s))",
+                       param=loc or None) from None
+
+
+# ---- chat template ----------------------------------------------------------------------------
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def render_chat(tokenizer, req: ChatCompletionRequest) -> str:
+    """The chat prompt text, from the tokenizer's chat template (a plain one if it has none)."""
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=req.add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+
+# ---- responses --------------------------------------------------------------------------------
+def usage_dict(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+class ResponseBuilder:
+    """Builds the JSON bodies of one request's answer (chat or completion, stream or not)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool):
+        self.id = request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+        self._obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": self.id, "object": self._obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def role_chunk(self) -> str:
+        """Chat streams open with the assistant role (no token), as OpenAI and vLLM do."""
+        return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}])
+
+    def token_chunk(self, text: str, finish_reason: str | None = None, stop_reason: Any = None) -> str:
+        """One output token (its text may be empty while a UTF-8 character is incomplete)."""
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: dict) -> str:
+        return self._chunk([], usage)
+
+    @staticmethod
+    def error_event(err: APIError) -> str:
+        return f"data: {json.dumps(err.body())}\n\n"
+
+    DONE = "data: [DONE]\n\n"
+
+    def full(self, text: str, finish_reason: str | None, stop_reason: Any, usage: dict) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage}
