@@ -1,0 +1,463 @@
+"""The gateway core: admission -> router -> replica hand-off, and the way back.
+
+``Gateway`` owns the replica processes, the admission queue, the router and every
+request in flight. It runs on one asyncio event loop (the HTTP server's); replica
+reader threads hop onto that loop with ``call_soon_threadsafe`` and drop each token
+delta into its request's ``asyncio.Queue``. Nothing here parses HTTP: ``server.py``
+does, and calls ``tokenize`` / ``submit`` / ``close``.
+
+Every hop is stamped with ``time.monotonic_ns()`` (one clock for every process on the
+host) in a ``GatewayRecord``: gateway arrival, admitted, routed (handed to the replica's
+queue), engine arrival (stamped by the replica), first token and finish as the HTTP
+stream wrote them. Those feed the run bundle's ``gateway.queue`` / ``gateway.route`` /
+``engine.output`` layers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+from layerscope.engine.config import EngineConfig
+from layerscope.engine.faults import Faults
+from layerscope.engine.gateway.admission import AdmissionController, QueueFullError
+from layerscope.engine.gateway.protocol import APIError
+from layerscope.engine.gateway.replica import ReplicaClient, TokenDelta
+from layerscope.engine.gateway.router import Router
+from layerscope.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STATUS = {"stop": "finished_stopped", "length": "finished_length", "abort": "finished_aborted"}
+
+
+@dataclass
+class GatewayRecord:
+    """One request as the gateway saw it. Timestamps: ns, host monotonic clock."""
+
+    request_id: str
+    api: str  # completions | chat
+    stream: bool
+    gateway_arrival_ns: int
+    session_id: str | None = None
+    gateway_admitted_ns: int | None = None
+    gateway_routed_ns: int | None = None
+    engine_arrival_ns: int | None = None
+    engine_first_token_ns: int | None = None
+    engine_finished_ns: int | None = None
+    gateway_first_token_ns: int | None = None
+    gateway_finished_ns: int | None = None
+    replica: int | None = None
+    status: str = "pending"  # finished_stopped | finished_length | finished_aborted | rejected | error
+    finish_reason: str | None = None
+    error: str | None = None
+    http_status: int | None = None
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int | None = None
+    num_output_tokens: int = 0
+    num_preemptions: int | None = None
+    token_ns: list[int] = field(default_factory=list)  # each token handed to the HTTP stream
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.gateway_first_token_ns is None:
+            return None
+        return (self.gateway_first_token_ns - self.gateway_arrival_ns) / 1e9
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.gateway_finished_ns is None or self.gateway_first_token_ns is None:
+            return None
+        return (self.gateway_finished_ns - self.gateway_arrival_ns) / 1e9
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1), DESIGN.md's definition; None below 2 tokens."""
+        if self.num_output_tokens < 2 or self.e2e_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
+
+    @property
+    def itl_s(self) -> list[float]:
+        return [(b - a) / 1e9 for a, b in zip(self.token_ns, self.token_ns[1:])]
+
+    def to_row(self) -> dict[str, Any]:
+        """The requests.parquet columns the gateway owns (schema names)."""
+        row = {k: getattr(self, k) for k in (
+            "request_id", "replica", "status", "finish_reason", "error", "http_status", "num_prompt_tokens",
+            "num_cached_tokens", "num_output_tokens", "num_preemptions", "gateway_arrival_ns",
+            "gateway_admitted_ns", "gateway_routed_ns", "engine_arrival_ns", "engine_first_token_ns",
+            "engine_finished_ns", "gateway_first_token_ns", "gateway_finished_ns")}
+        itl = self.itl_s
+        row.update(ttft_s=self.ttft_s, tpot_s=self.tpot_s, e2e_s=self.e2e_s,
+                   itl_mean_s=sum(itl) / len(itl) if itl else None, itl_max_s=max(itl) if itl else None)
+        return row
+
+
+class RequestStream:
+    """A request in flight: its token deltas, in order, as they reach the gateway."""
+
+    def __init__(self, record: GatewayRecord):
+        self.record = record
+        self.queue: asyncio.Queue[TokenDelta | APIError] = asyncio.Queue()
+        self.engine_done = False  # the engine finished it (no abort needed)
+        self.closed = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    async def deltas(self) -> AsyncIterator[TokenDelta]:
+        """Yield deltas until the finished one; raises APIError if the request fails."""
+        rec = self.record
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, APIError):
+                raise item
+            now = time.monotonic_ns()
+            if rec.gateway_first_token_ns is None:
+                rec.gateway_first_token_ns = now
+                rec.engine_arrival_ns = item.engine_arrival_ns
+                rec.engine_first_token_ns = item.engine_first_token_ns
+                rec.num_prompt_tokens = item.num_prompt_tokens
+                rec.num_cached_tokens = item.num_cached_tokens
+            rec.token_ns.extend([now] * len(item.new_token_ids))
+            rec.num_output_tokens = item.num_output_tokens
+            if item.finished:
+                self.engine_done = True
+                rec.engine_finished_ns = item.engine_finished_ns
+                rec.finish_reason = item.finish_reason
+                rec.num_preemptions = item.num_preemptions
+            yield item
+            if item.finished:
+                return
+
+
+def load_gateway_tokenizer(model_dir: str | Path):
+    """The model's fast tokenizer without importing torch (the gateway process never needs it)."""
+    model_dir = Path(model_dir)
+    if (model_dir / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+    from layerscope.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+class Gateway:
+    """Admission, routing and the replica processes behind one OpenAI-compatible endpoint."""
+
+    def __init__(self, config: EngineConfig, faults: Faults | None = None, num_replicas: int = 1,
+                 probes: str = "default", served_model_name: str | None = None, record: bool = True):
+        if num_replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
+        if config.num_threads == 0 and config.device != "cuda":
+            # replicas share the host's cores; without this each would start one thread per core
+            threads = max(1, (os.cpu_count() or 1) // (num_replicas * config.tp_size))
+            config = EngineConfig.from_overrides(config, num_threads=threads)
+        self.config = config
+        self.faults = faults or Faults()
+        self.probes = probes
+        self.model_name = served_model_name or config.model
+        self.record = record
+        self.tokenizer = load_gateway_tokenizer(config.model)
+        self.admission = AdmissionController(config.gateway.max_concurrency, config.gateway.max_queue,
+                                             self.faults.gateway_delay_ms / 1000.0)
+        self.router = Router(config.router_policy, num_replicas, config.block_size, self.faults.router_skew,
+                             seed=config.seed)
+        self.replicas = [ReplicaClient(i, config, self.faults, probes, self.model_name) for i in range(num_replicas)]
+        self.num_in_flight = [0] * num_replicas
+        self.records: list[GatewayRecord] = []
+        self.replica_families: list[list] = [[] for _ in range(num_replicas)]
+        self.replica_stats: list[dict[str, Any]] = [{} for _ in range(num_replicas)]
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._collect: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self._started = False
+        from layerscope.probes.metrics import create_metrics
+
+        self.metrics = create_metrics(model_name=self.model_name, replica="gateway")
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Start every replica process and block until each has loaded its engine."""
+        for r in self.replicas:
+            r.start()
+        try:
+            infos = [r.wait_ready(timeout_s) for r in self.replicas]
+        except Exception:
+            self.shutdown()
+            raise
+        self.max_model_len = min(i["max_model_len"] for i in infos)
+        self.vocab_size = infos[0]["resolved"]["vocab_size"]
+        self.resolved = [i["resolved"] for i in infos]
+        for r in self.replicas:
+            r.start_reader(self._on_message)
+        self._started = True
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind to the event loop that serves HTTP (deltas are dispatched onto it)."""
+        self._loop = loop
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._started and any(r.alive for r in self.replicas)
+
+    def shutdown(self) -> None:
+        """Abort what is in flight, stop the replicas (idempotent)."""
+        for s in list(self._streams.values()):
+            self._fail(s, APIError(503, "the server is shutting down", type="server_error"))
+        for r in self.replicas:
+            r.shutdown()
+        self._started = False
+
+    # ---- request path -------------------------------------------------------------------------
+    def new_record(self, api: str, stream: bool, session_id: str | None = None) -> GatewayRecord:
+        prefix = "chatcmpl" if api == "chat" else "cmpl"
+        rec = GatewayRecord(f"{prefix}-{uuid.uuid4().hex[:24]}", api, stream, time.monotonic_ns(), session_id)
+        if self.record:
+            self.records.append(rec)
+        return rec
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        return list(prompt)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """Validate against the context length; returns max_tokens (None -> what fits)."""
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
+                                f"has {num_prompt_tokens} tokens (it must leave room for at least one output "
+                                f"token).", param="messages", code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                                f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    async def submit(self, rec: GatewayRecord, token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Admission (may wait; QueueFull -> APIError 429), routing, hand-off to a replica."""
+        rec.num_prompt_tokens = len(token_ids)
+        self._update_queue_gauges()
+        try:
+            await self.admission.acquire()
+        except QueueFullError as e:
+            self.metrics.child("layerscope_request_errors_total", "rejected").inc()
+            raise APIError(429, str(e), type="rate_limit_exceeded", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.config.gateway.retry_after_s)}) from None
+        rec.gateway_admitted_ns = time.monotonic_ns()
+        self.metrics.child("layerscope_gateway_queue_time_seconds").observe(
+            (rec.gateway_admitted_ns - rec.gateway_arrival_ns) / 1e9)
+        try:
+            alive = [r.alive for r in self.replicas]
+            if not any(alive):
+                raise APIError(503, "no engine replica is running", type="server_error")
+            idx = self.router.choose(token_ids, self.num_in_flight, alive)
+        except BaseException:
+            self.admission.release()
+            self._update_queue_gauges()
+            raise
+        stream = RequestStream(rec)
+        rec.replica = idx
+        self._streams[rec.request_id] = stream
+        self.num_in_flight[idx] += 1
+        self.metrics.collectors["layerscope_router_requests_total"].labels(self.model_name, str(idx)).inc()
+        timeout = self.config.gateway.request_timeout_s
+        stream.timer = asyncio.get_running_loop().call_later(timeout, self._timeout, stream, timeout)
+        rec.gateway_routed_ns = time.monotonic_ns()
+        self.replicas[idx].send(("add", rec.request_id, token_ids, params, None))
+        self._update_queue_gauges()
+        return stream
+
+    def close(self, stream: RequestStream, http_status: int, error: str | None = None) -> None:
+        """The HTTP side is done with a request (finished, failed or client gone); idempotent.
+
+        Aborts it in the engine unless the engine already finished it, releases its
+        admission slot and completes its record and metrics.
+        """
+        if stream.closed:
+            return
+        stream.closed = True
+        rec = stream.record
+        rec.gateway_finished_ns = time.monotonic_ns()
+        rec.http_status = http_status
+        if stream.timer is not None:
+            stream.timer.cancel()
+        if not stream.engine_done and rec.replica is not None:
+            replica = self.replicas[rec.replica]
+            if replica.alive:
+                replica.send(("abort", rec.request_id))
+            rec.finish_reason = "abort"
+        rec.status = "error" if error and rec.finish_reason != "abort" else _STATUS.get(rec.finish_reason, "error")
+        rec.error = error
+        self._streams.pop(rec.request_id, None)
+        if rec.replica is not None:
+            self.num_in_flight[rec.replica] -= 1
+        self.admission.release()
+        self._update_queue_gauges()
+        self._observe(rec)
+
+    def reject(self, rec: GatewayRecord, err: APIError) -> None:
+        """Record a request refused before it reached an engine (4xx/5xx)."""
+        rec.gateway_finished_ns = time.monotonic_ns()
+        rec.http_status = err.status
+        rec.error = err.message
+        if err.status == 499:  # the client left while queued
+            rec.status, rec.finish_reason = "finished_aborted", "abort"
+            return
+        rec.status = "rejected" if err.status == 429 else "error"
+        self.metrics.child("layerscope_gateway_requests_total", str(err.status)).inc()
+        if err.status != 429:
+            self.metrics.child("layerscope_request_errors_total", "invalid" if err.status < 500 else "error").inc()
+
+    def _observe(self, rec: GatewayRecord) -> None:
+        m = self.metrics
+        m.child("layerscope_gateway_requests_total", str(rec.http_status)).inc()
+        if rec.ttft_s is not None:
+            m.child("layerscope_time_to_first_token_seconds").observe(rec.ttft_s)
+            itl = m.child("layerscope_inter_token_latency_seconds")
+            for gap in rec.itl_s:
+                itl.observe(gap)
+            if rec.tpot_s is not None:
+                m.child("layerscope_time_per_output_token_seconds").observe(rec.tpot_s)
+            if rec.e2e_s is not None and rec.status != "finished_aborted":
+                m.child("layerscope_e2e_request_latency_seconds").observe(rec.e2e_s)
+
+    def _update_queue_gauges(self) -> None:
+        self.metrics.child("layerscope_gateway_queue_length").set(self.admission.num_waiting)
+        self.metrics.child("layerscope_gateway_inflight_requests").set(self.admission.num_active)
+
+    def _timeout(self, stream: RequestStream, timeout_s: float) -> None:
+        self.metrics.child("layerscope_request_errors_total", "timeout").inc()
+        self._fail(stream, APIError(504, f"the request did not finish within gateway.request_timeout_s="
+                                         f"{timeout_s:g} s", type="server_error", code="timeout"))
+
+    def _fail(self, stream: RequestStream, err: APIError) -> None:
+        stream.queue.put_nowait(err)
+
+    # ---- replica messages ---------------------------------------------------------------------
+    def _on_message(self, idx: int, msg: tuple) -> None:
+        """Runs on a replica's reader thread."""
+        kind = msg[0]
+        if kind == "metrics":
+            self.replica_families[idx] = msg[1]
+            self.replica_stats[idx] = msg[2]
+        elif kind == "records":
+            fut = self._collect.pop(idx, None)
+            if fut is not None:
+                fut.set_result(msg[1])
+        elif self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, idx, msg)
+            except RuntimeError:  # the loop closed meanwhile (shutdown)
+                pass
+        if kind == "fatal":
+            logger.error("%s", msg[1])
+            fut = self._collect.pop(idx, None)
+            if fut is not None:
+                fut.set_result(None)
+
+    def _dispatch(self, idx: int, msg: tuple) -> None:
+        """Runs on the event loop."""
+        kind = msg[0]
+        if kind == "out":
+            streams = self._streams
+            for d in msg[1]:
+                s = streams.get(d.request_id)
+                if s is not None:  # else: aborted meanwhile
+                    s.queue.put_nowait(d)
+        elif kind == "error":
+            s = self._streams.get(msg[1])
+            if s is not None:
+                s.engine_done = True  # never added
+                self._fail(s, APIError(400, msg[2]))
+        elif kind == "fatal":
+            for s in list(self._streams.values()):
+                if s.record.replica == idx:
+                    s.engine_done = True
+                    self._fail(s, APIError(503, f"engine replica {idx} failed", type="server_error"))
+
+    # ---- records and metrics ------------------------------------------------------------------
+    def collect_replica_records(self, timeout_s: float = 60.0) -> list[Any]:
+        """Each replica's recorder export (None where probes are off); call from a non-loop thread."""
+        futs = {}
+        for r in self.replicas:
+            if r.alive:
+                futs[r.index] = self._collect[r.index] = concurrent.futures.Future()
+                r.send(("collect",))
+        out: list[Any] = [None] * len(self.replicas)
+        for i, fut in futs.items():
+            try:
+                out[i] = fut.result(timeout_s)
+            except concurrent.futures.TimeoutError:
+                logger.warning("replica %d sent no records within %.0f s", i, timeout_s)
+        return out
+
+    def metrics_text(self) -> bytes:
+        """Prometheus exposition: the gateway's own metrics plus every replica's last snapshot."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(_MergedCollector(self))
+        return generate_latest(reg)
+
+
+class _MergedCollector:
+    """One family per metric name. Gateway-layer metrics come from the gateway's registry,
+    engine-layer metrics from the replicas' snapshots, request-layer latencies and error
+    counts from both (told apart by the ``replica`` label)."""
+
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        from layerscope.probes.metrics import METRICS_BY_NAME
+
+        def owner(name: str) -> str:
+            m = METRICS_BY_NAME.get(name) or METRICS_BY_NAME.get(name + "_total")
+            if m is None:
+                return "replica"
+            if m.layer.startswith("gateway."):
+                return "gateway"
+            if m.layer == "request" or m.name == "layerscope_request_errors_total":
+                return "both"
+            return "replica"
+
+        merged: dict[str, Metric] = {}
+
+        def add(fam, source: str) -> None:
+            who = owner(fam.name)
+            out = merged.get(fam.name)
+            if out is None:
+                out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            if who == source or who == "both":
+                # the router's count is labelled by target replica; drop its unused "gateway" child
+                out.samples.extend(s for s in fam.samples
+                                   if not (fam.name == "layerscope_router_requests"
+                                           and s.labels.get("replica") == "gateway"))
+
+        for fam in self.gateway.metrics.registry.collect():
+            add(fam, "gateway")
+        for fams in list(self.gateway.replica_families):
+            for fam in fams:
+                add(fam, "replica")
+        yield from (m for m in merged.values() if m.samples)

@@ -1,0 +1,281 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of a ``Gateway``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming with one
+chunk per output token, or one JSON body), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text: the gateway's metrics plus every replica's).
+
+Request path: parse and validate (400/404 before any queueing), tokenize, then
+``Gateway.submit`` (admission may wait or refuse with 429), then stream the deltas.
+A client that goes away (while queued, while generating, mid-stream) has its request
+aborted in the engine, which frees its KV blocks at once.
+
+``ServerThread`` runs the server on a background thread (``layerscope run``, tests);
+``serve`` runs it in the foreground (``layerscope serve``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from layerscope.engine.gateway.gateway import Gateway, GatewayRecord, RequestStream
+from layerscope.engine.gateway.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    parse_body,
+    render_chat,
+    usage_dict,
+)
+
+CLIENT_GONE = 499  # nginx's "client closed request": recorded, never sent
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Returns when the client has gone (the body must have been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gateway.attach(asyncio.get_running_loop())
+        yield
+
+    app = FastAPI(title="layerscope", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    names = {gateway.model_name}
+    if gateway.model_name == gateway.config.model:
+        names.add(Path(gateway.config.model).name)  # the directory's name also works
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       type=kind))
+
+    def check_key(request: Request) -> None:
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           type="authentication_error", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if gateway.is_healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(gateway.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            check_key(request)
+        except APIError as e:
+            return error_response(e)
+        card = {"id": gateway.model_name, "object": "model", "created": int(time.time()), "owned_by": "layerscope",
+                "root": gateway.config.model, "max_model_len": gateway.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def handle(request: Request, chat: bool) -> Response:
+        rec = gateway.new_record("chat" if chat else "completions", False, request.headers.get("x-session-id"))
+        try:
+            check_key(request)
+            req = parse_body(await request.body(), ChatCompletionRequest if chat else CompletionRequest)
+            rec.stream = req.stream
+            rec.session_id = rec.session_id or req.user
+            if req.model not in names:
+                raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                                    f"`{gateway.model_name}`.", type="not_found_error", param="model",
+                               code="model_not_found")
+            if chat:
+                ids = gateway.tokenize(render_chat(gateway.tokenizer, req))
+                max_tokens = req.requested_max_tokens
+            else:
+                ids = gateway.tokenize(req.single_prompt())
+                max_tokens = req.max_tokens
+            params = req.sampling_params(gateway.check_length(len(ids), max_tokens))
+        except APIError as e:
+            gateway.reject(rec, e)
+            return error_response(e)
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            stream = await _unless_gone(gateway.submit(rec, ids, params), gone, gateway)
+        except APIError as e:
+            gone.cancel()
+            gateway.reject(rec, e)
+            return error_response(e) if e.status != CLIENT_GONE else Response(status_code=CLIENT_GONE)
+        builder = ResponseBuilder(rec.request_id, gateway.model_name, chat)
+        if req.stream:
+            gone.cancel()  # from here StreamingResponse watches the connection itself
+            return StreamingResponse(_sse(gateway, stream, builder, req.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rec.request_id})
+        gone.add_done_callback(lambda t: t.cancelled() or stream.closed or
+                               stream.queue.put_nowait(APIError(CLIENT_GONE, "client disconnected")))
+        try:
+            return await _full(gateway, stream, builder)
+        finally:
+            gone.cancel()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, chat=True)
+
+    return app
+
+
+async def _unless_gone(coro: Awaitable[RequestStream], gone: asyncio.Future, gateway: Gateway) -> RequestStream:
+    """Await ``coro`` (admission + hand-off) unless the client disconnects first."""
+    task = asyncio.ensure_future(coro)
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        stream = await task
+    except (asyncio.CancelledError, APIError):
+        pass
+    else:  # admitted in the same instant: undo it
+        gateway.close(stream, CLIENT_GONE, "client disconnected")
+    raise APIError(CLIENT_GONE, "client disconnected while queued")
+
+
+def _usage(rec: GatewayRecord) -> dict[str, Any]:
+    return usage_dict(rec.num_prompt_tokens or 0, rec.num_output_tokens, rec.num_cached_tokens or 0)
+
+
+async def _sse(gateway: Gateway, stream: RequestStream, builder: ResponseBuilder,
+               include_usage: bool) -> AsyncIterator[str]:
+    status, error = CLIENT_GONE, "client disconnected"  # unless we get to the end
+    try:
+        if builder.chat:
+            yield builder.role_chunk()
+        async for d in stream.deltas():
+            yield builder.token_chunk(d.new_text, d.finish_reason if d.finished else None, d.stop_reason)
+        if include_usage:
+            yield builder.usage_chunk(_usage(stream.record))
+        status, error = 200, None
+        yield builder.DONE
+    except APIError as e:  # a failure after the response started: an error event, as vLLM sends
+        status, error = e.status, e.message
+        if e.status != CLIENT_GONE:
+            yield builder.error_event(e)
+            yield builder.DONE
+    finally:
+        gateway.close(stream, status, error)
+
+
+async def _full(gateway: Gateway, stream: RequestStream, builder: ResponseBuilder) -> Response:
+    parts: list[str] = []
+    last = None
+    try:
+        async for d in stream.deltas():
+            parts.append(d.new_text)
+            last = d
+    except APIError as e:
+        gateway.close(stream, e.status, e.message)
+        return error_response(e) if e.status != CLIENT_GONE else Response(status_code=CLIENT_GONE)
+    except BaseException:
+        gateway.close(stream, 500, "internal error")
+        raise
+    body = builder.full("".join(parts), last.finish_reason, last.stop_reason, _usage(stream.record))
+    gateway.close(stream, 200)
+    return JSONResponse(body)
+
+
+# ---- running it ---------------------------------------------------------------------------------
+class _Server(uvicorn.Server):
+    """uvicorn, minus re-raising the captured signal after shutdown (our caller cleans up)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def _uvicorn_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=5, timeout_keep_alive=30)
+
+
+def _bound_port(server: uvicorn.Server) -> int:
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
+class ServerThread:
+    """The HTTP server on a background thread with its own event loop."""
+
+    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
+        self.server = _Server(_uvicorn_config(create_app(gateway, api_key), host, port))
+        self.host = host
+        self.port = 0
+        self._thread = threading.Thread(target=self.server.run, name="layerscope-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        self.port = _bound_port(self.server)
+        return self.url
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout_s)
+
+
+def serve(gateway: Gateway, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+          announce=print) -> None:
+    """Serve in the foreground until SIGINT/SIGTERM; ``announce`` gets the listening line."""
+    server = _Server(_uvicorn_config(create_app(gateway, api_key), host, port))
+
+    async def main() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            if task.done():
+                task.result()
+                return
+            await asyncio.sleep(0.02)
+        announce(f"layerscope serve listening on http://{host}:{_bound_port(server)}")
+        await task
+
+    asyncio.run(main())
