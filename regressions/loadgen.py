@@ -1,0 +1,327 @@
+"""The load generator: drives any OpenAI-compatible server with a workload, open loop.
+
+Each request is sent at its scheduled time whatever happened to the others (open
+loop), except a session's next turn, which waits for the previous one. Every request
+streams (SSE) so TTFT is observable; the client stamps, on the host's monotonic clock
+(``time.monotonic_ns()``, the same clock the server's records use):
+
+- ``client_send_ns``: just before the request is written (after the client-side
+  concurrency cap, which is the client's own queue, not the server's);
+- one timestamp per output token: a chunk with a choice is one token (our server
+  sends exactly one per token; a chat stream's opening role-only chunk is not one);
+- ``client_first_token_ns`` (first token chunk) and ``client_done_ns`` (end of stream).
+
+Metrics (DESIGN.md): TTFT = first token - send; TPOT = (E2E - TTFT) / (tokens - 1);
+ITL = every gap between consecutive tokens; E2E = done - send; throughput = output
+tokens / busy interval; goodput = requests meeting every given SLO / busy interval.
+Percentiles p50/p90/p99, each with its sample count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import httpx
+
+from layerscope.regressions.workloads import RequestSpec, WorkloadSpec
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class ClientRecord:
+    """One request as the client saw it. Timestamps: ns on the host's monotonic clock."""
+
+    index: int
+    api: str
+    session_id: str | None
+    scheduled_s: float  # intended send time, seconds after the run's start (dependent turns: when ready)
+    max_tokens: int
+    request_id: str | None = None  # the server's response id (joins with server-side records)
+    client_send_ns: int | None = None
+    client_first_token_ns: int | None = None
+    client_done_ns: int | None = None
+    token_ns: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0  # usage.completion_tokens when the server reports it, else token chunks
+    num_token_chunks: int = 0
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int | None = None
+    finish_reason: str | None = None
+    http_status: int | None = None
+    status: str = "pending"  # ok | rejected (429) | error
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.client_first_token_ns is None or self.client_send_ns is None:
+            return None
+        return (self.client_first_token_ns - self.client_send_ns) / 1e9
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.client_done_ns is None or self.client_send_ns is None or not self.ok:
+            return None
+        return (self.client_done_ns - self.client_send_ns) / 1e9
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = self.num_output_tokens
+        if n < 2 or self.e2e_s is None or self.ttft_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (n - 1)
+
+    @property
+    def itl_s(self) -> list[float]:
+        return [(b - a) / 1e9 for a, b in zip(self.token_ns, self.token_ns[1:])]
+
+    def to_row(self) -> dict[str, Any]:
+        """Client columns of requests.parquet (schema names) plus the join key."""
+        return {"request_id": self.request_id, "client_send_ns": self.client_send_ns,
+                "client_first_token_ns": self.client_first_token_ns, "client_done_ns": self.client_done_ns,
+                "client_ttft_s": self.ttft_s, "client_tpot_s": self.tpot_s, "client_e2e_s": self.e2e_s,
+                "http_status": self.http_status, "num_output_tokens": self.num_output_tokens,
+                "num_prompt_tokens": self.num_prompt_tokens, "num_cached_tokens": self.num_cached_tokens,
+                "finish_reason": self.finish_reason, "error": self.error}
+
+
+@dataclass
+class LoadResult:
+    spec: WorkloadSpec
+    records: list[ClientRecord]
+    start_ns: int
+    end_ns: int
+    endpoint: str
+    model: str
+
+    def summary(self, slos: dict[str, float] | None = None) -> dict[str, Any]:
+        return summarize(self.records, slos if slos is not None else self.spec.slos)
+
+
+class LoadGenerator:
+    """Sends one workload's requests to ``endpoint`` (``http://host:port``, with or without /v1)."""
+
+    def __init__(self, endpoint: str, spec: WorkloadSpec, requests: Sequence[RequestSpec], model: str | None = None,
+                 api_key: str | None = None, timeout_s: float = 300.0,
+                 on_done: Callable[[ClientRecord], None] | None = None):
+        base = endpoint.rstrip("/")
+        self.base = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.spec = spec
+        self.requests = list(requests)
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout_s = timeout_s
+        self.on_done = on_done
+
+    async def run(self) -> LoadResult:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        timeout = httpx.Timeout(self.timeout_s, connect=10.0)
+        # trust_env=False: a proxy from the environment must never see loopback benchmark traffic
+        async with httpx.AsyncClient(base_url=self.base, limits=limits, timeout=timeout, trust_env=False,
+                                     headers=self.headers) as client:
+            model = self.model or await _first_model(client)
+            records = [ClientRecord(r.index, r.api, r.session_id, r.arrival_s, r.max_tokens) for r in self.requests]
+            done = {r.index: asyncio.Event() for r in self.requests}
+            cap = asyncio.Semaphore(self.spec.max_concurrency) if self.spec.max_concurrency > 0 else None
+            start_ns = time.monotonic_ns()
+
+            async def one(req: RequestSpec, rec: ClientRecord) -> None:
+                try:
+                    if req.after is not None:
+                        await done[req.after].wait()
+                        rec.scheduled_s = (time.monotonic_ns() - start_ns) / 1e9 + req.arrival_s
+                    delay = start_ns / 1e9 + rec.scheduled_s - time.monotonic_ns() / 1e9
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if cap is None:
+                        await _send(client, model, req, rec, self.spec)
+                    else:
+                        async with cap:
+                            await _send(client, model, req, rec, self.spec)
+                finally:
+                    done[req.index].set()
+                    if self.on_done is not None:
+                        self.on_done(rec)
+
+            await asyncio.gather(*(one(r, rec) for r, rec in zip(self.requests, records)))
+            end_ns = time.monotonic_ns()
+        return LoadResult(self.spec, records, start_ns, end_ns, self.base, model)
+
+
+async def _first_model(client: httpx.AsyncClient) -> str:
+    resp = await client.get("/v1/models")
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+def _body(model: str, req: RequestSpec, spec: WorkloadSpec) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": spec.temperature,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if spec.ignore_eos:
+        body["ignore_eos"] = True  # vLLM's extension; OpenAI ignores it
+    if req.session_id:
+        body["user"] = req.session_id
+    if req.api == "chat":
+        body["messages"] = list(req.messages or ({"role": "user", "content": req.prompt or ""},))
+    else:
+        body["prompt"] = req.prompt if req.prompt is not None else "\n".join(m["content"] for m in req.messages or ())
+    return body
+
+
+async def _send(client: httpx.AsyncClient, model: str, req: RequestSpec, rec: ClientRecord,
+                spec: WorkloadSpec) -> None:
+    path = "/v1/chat/completions" if req.api == "chat" else "/v1/completions"
+    headers = {"X-Session-Id": req.session_id} if req.session_id else None
+    payload = json.dumps(_body(model, req, spec)).encode()
+    rec.client_send_ns = time.monotonic_ns()
+    try:
+        async with client.stream("POST", path, content=payload, headers=headers or {},
+                                 extensions=None) as resp:
+            rec.http_status = resp.status_code
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                rec.client_done_ns = time.monotonic_ns()
+                rec.status = "rejected" if resp.status_code == 429 else "error"
+                rec.error = _error_message(raw) or f"HTTP {resp.status_code}"
+                return
+            usage = None
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.monotonic_ns()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.status, rec.error = "error", _error_message(data.encode())
+                    continue
+                rec.request_id = rec.request_id or chunk.get("id")
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or ():
+                    delta = choice.get("delta")
+                    if delta is not None and "role" in delta and not delta.get("content"):
+                        continue  # the chat stream's opening role chunk: no token
+                    rec.token_ns.append(now)
+                    if rec.client_first_token_ns is None:
+                        rec.client_first_token_ns = now
+                    if choice.get("finish_reason"):
+                        rec.finish_reason = choice["finish_reason"]
+            rec.client_done_ns = time.monotonic_ns()
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec.client_done_ns = time.monotonic_ns()
+        rec.status, rec.error = "error", f"{type(e).__name__}: {e}"
+        return
+    rec.num_token_chunks = len(rec.token_ns)
+    rec.num_output_tokens = rec.num_token_chunks
+    if usage:
+        rec.num_output_tokens = usage.get("completion_tokens", rec.num_token_chunks)
+        rec.num_prompt_tokens = usage.get("prompt_tokens")
+        rec.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if rec.status == "pending":
+        rec.status = "ok" if rec.client_first_token_ns is not None else "error"
+        if rec.status == "error":
+            rec.error = "the stream ended without a token"
+
+
+def _error_message(raw: bytes) -> str | None:
+    try:
+        data = json.loads(raw)
+        return data["error"]["message"] if isinstance(data.get("error"), dict) else str(data.get("message"))
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return raw[:200].decode(errors="replace") or None
+
+
+# ---- statistics -------------------------------------------------------------------------------
+def percentiles(values: Sequence[float]) -> dict[str, float | int | None]:
+    """p50/p90/p99 and mean (linear interpolation), with the sample count."""
+    xs = sorted(v for v in values if v is not None)
+    out: dict[str, float | int | None] = {"count": len(xs)}
+    for p in PERCENTILES:
+        out[f"p{p}"] = _quantile(xs, p / 100.0)
+    out["mean"] = sum(xs) / len(xs) if xs else None
+    return out
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(records: Sequence[ClientRecord], slos: dict[str, float] | None = None) -> dict[str, Any]:
+    """Headline figures of a run as the client saw it (seconds, tokens, requests)."""
+    slos = slos or {}
+    ok = [r for r in records if r.ok]
+    sends = [r.client_send_ns for r in records if r.client_send_ns is not None]
+    dones = [r.client_done_ns for r in records if r.client_done_ns is not None]
+    duration_s = (max(dones) - min(sends)) / 1e9 if sends and dones else 0.0
+    out_tokens = sum(r.num_output_tokens for r in ok)
+    good = [r for r in ok if all(getattr(r, k) is not None and getattr(r, k) <= v for k, v in slos.items()
+                                  if not (k == "tpot_s" and r.tpot_s is None))]
+    per = lambda n: n / duration_s if duration_s > 0 else None  # noqa: E731
+    return {
+        "requests": len(records),
+        "requests_ok": len(ok),
+        "requests_rejected": sum(r.status == "rejected" for r in records),
+        "requests_error": sum(r.status == "error" for r in records),
+        "duration_s": duration_s,
+        "input_tokens": sum(r.num_prompt_tokens or 0 for r in ok),
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": per(out_tokens),
+        "requests_per_s": per(len(ok)),
+        "goodput_requests_per_s": per(len(good)),
+        "slos": dict(slos),
+        "ttft_s": percentiles([r.ttft_s for r in ok]),
+        "tpot_s": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_s": percentiles([g for r in ok for g in r.itl_s]),
+        "e2e_s": percentiles([r.e2e_s for r in ok]),
+    }
+
+
+def render_summary(summary: dict[str, Any], title: str = "layerscope load"):
+    """A rich Table of the summary (latencies in ms, with sample counts)."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("metric", "p50 ms", "p90 ms", "p99 ms", "mean ms", "count"):
+        t.add_column(col, justify="right" if col != "metric" else "left")
+    ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"  # noqa: E731
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        p = summary[key]
+        t.add_row(label, ms(p["p50"]), ms(p["p90"]), ms(p["p99"]), ms(p["mean"]), str(p["count"]))
+    rate = lambda v, unit: "-" if v is None else f"{v:.2f} {unit}"  # noqa: E731
+    t.caption = (f"{summary['requests_ok']}/{summary['requests']} ok, {summary['requests_rejected']} rejected (429), "
+                 f"{summary['requests_error']} errors in {summary['duration_s']:.2f} s; "
+                 f"output {rate(summary['output_tokens_per_s'], 'tok/s')}, "
+                 f"goodput {rate(summary['goodput_requests_per_s'], 'req/s')}"
+                 + (f" (SLOs {summary['slos']})" if summary["slos"] else ""))
+    return t
+
+
+def run_load(endpoint: str, spec: WorkloadSpec, requests: Sequence[RequestSpec] | None = None,
+             model: str | None = None, api_key: str | None = None, progress: bool = False,
+             timeout_s: float = 300.0, tokenizer=None) -> LoadResult:
+    """Run a workload against ``endpoint`` (blocking); shows a rich progress bar if asked."""
+    reqs = list(requests) if requests is not None else spec.build(tokenizer)
+    if not progress:
+        return asyncio.run(LoadGenerator(endpoint, spec, reqs, model, api_key, timeout_s).run())
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(f"{spec.name} -> {endpoint}", total=len(reqs))
+        gen = LoadGenerator(endpoint, spec, reqs, model, api_key, timeout_s,
+                            on_done=lambda rec: bar.advance(task))
+        return asyncio.run(gen.run())
