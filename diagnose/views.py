@@ -217,6 +217,7 @@ def _times(r: pd.Series) -> dict[str, float]:
     arrival = r["gateway_arrival_ns"] if not _nan(r["gateway_arrival_ns"]) else r["engine_arrival_ns"]
     out = {k[:-3]: (float(r[k]) - float(arrival)) / 1e9 for k in r.index if k.endswith("_ns")}
     out["end"] = float(r["e2e_s"])
+    out["ttft"] = float(r["ttft_s"])
     return out
 
 
@@ -239,7 +240,8 @@ def request_steps(a: RunAnalysis, row: int, t: dict[str, float] | None = None) -
         arrival_ns = run.requests.iloc[row]["engine_arrival_ns"]
     at = (s["start_ns"].to_numpy(np.float64) - float(arrival_ns)) / 1e9
     ntok = m["num_tokens"].to_numpy()
-    first = t["engine_first_token"] if not math.isnan(t["engine_first_token"]) else t["ttft"] if "ttft" in t else np.inf
+    first = t["engine_first_token"] if not math.isnan(t["engine_first_token"]) else t["ttft"]
+    first = np.inf if math.isnan(first) else first
     kind = np.where(at < first - 1e-9, "prefill", np.where(ntok > 1, "recompute", "decode"))
     total = s["num_kv_blocks_total"].to_numpy(np.float64)
     free = s["num_kv_blocks_free"].to_numpy(np.float64)
@@ -322,8 +324,8 @@ def request_events(a: RunAnalysis, row: int, t: dict[str, float] | None = None,
     add("engine_first_token", "first token", "engine")
     add("gateway_first_token", "first token streamed", "gateway")
     for start, end in _preemptions(a, row, r, steps):
-        s = _step_at(steps, start)
-        ev.append((start, "preempted", "KV exhausted" + (f" (KV used {s['kv_usage']:.0%})" if s is not None else "")))
+        if not math.isnan(start):
+            ev.append((start, "preempted", "KV exhausted" + _kv_before(run, r, start)))
         if not math.isnan(end):
             s = _step_at(steps, end, after=True)
             ev.append((end, "resumed", f"recomputed {int(s['num_tokens'])} tokens" if s is not None else ""))
@@ -337,9 +339,9 @@ def request_events(a: RunAnalysis, row: int, t: dict[str, float] | None = None,
 
 
 def _state(s: pd.Series, max_num_seqs: Any) -> str:
-    running = f"running {int(s['num_running'])}" + (f"/{max_num_seqs}" if max_num_seqs else "")
+    running = f"running {_int(s['num_running'])}" + (f"/{max_num_seqs}" if max_num_seqs else "")
     kv = f", KV used {s['kv_usage']:.0%}" if not _nan(s["kv_usage"]) else ""
-    return f"step {int(s['step_id'])}: {running}, waiting {int(s['num_waiting'])}{kv}"
+    return f"step {_int(s['step_id'])}: {running}, waiting {_int(s['num_waiting'])}{kv}"
 
 
 def _preemptions(a: RunAnalysis, row: int, r: pd.Series, steps: pd.DataFrame) -> list[tuple[float, float]]:
@@ -353,6 +355,18 @@ def _preemptions(a: RunAnalysis, row: int, r: pd.Series, steps: pd.DataFrame) ->
                     for s, e in zip(kv["start_ns"], kv["end_ns"])]
     rc = steps[steps["kind"] == "recompute"]
     return [(np.nan, float(x)) for x in rc["at_s"]] if _int(r["num_preemptions"]) else []
+
+
+def _kv_before(run: Run, r: pd.Series, at_s: float) -> str:
+    """' (step N: KV used X%)' for the replica's last step that started at or before ``at_s``."""
+    origin = r["gateway_arrival_ns"] if not _nan(r["gateway_arrival_ns"]) else r["engine_arrival_ns"]
+    s = run.steps
+    s = s[(s["replica"] == r["replica"]) & (s["start_ns"] <= float(origin) + at_s * 1e9 + 1)]
+    if not len(s):
+        return ""
+    last = s.loc[s["start_ns"].idxmax()]
+    total, free = float(last["num_kv_blocks_total"]), float(last["num_kv_blocks_free"])
+    return f" (step {int(last['step_id'])}: KV used {1 - free / total:.0%})" if total > 0 else ""
 
 
 def _step_at(steps: pd.DataFrame, at: float, after: bool = False) -> pd.Series | None:
@@ -414,7 +428,7 @@ def series_stats(series: pd.DataFrame, columns: tuple[str, ...]) -> pd.DataFrame
 def find_runs(folder: str | Path) -> pd.DataFrame:
     """Run bundles directly under ``folder`` (directories with a manifest.json or Parquet tables),
     newest first. Reads manifests only. Columns: name, path, run_id, workload, num_requests,
-    start_time, error (None when the manifest reads)."""
+    start_time, error (missing when the manifest reads)."""
     cols = ["name", "path", "run_id", "workload", "num_requests", "start_time", "error"]
     root = Path(folder)
     rows = []
