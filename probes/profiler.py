@@ -6,8 +6,9 @@ closes turns the profiler's events into kernels.parquet rows and writes a Chrome
 trace into the trace directory.
 
 The op timeline of a step: walking down from the step's range, the first
-``layerscope::<kernel>`` range (kernels/dispatch.py names every kernel call) or
-``aten::`` op on each path is one row; what runs inside it is part of it. On CPU
+``layerscope::<kernel>`` range (kernels/dispatch.py names every kernel call),
+``aten::`` op or collective (``gloo:``/``nccl:``/``c10d::``) on each path is one row
+(plus collectives that gloo runs on its own thread, placed by time); what runs inside it is part of it. On CPU
 this is the host timeline, and the gaps between consecutive rows (``gap_before_s``)
 are the host's idle/overhead between ops, the CPU analogue of launch gaps. On CUDA
 the rows are the device kernels run inside the step's range instead, and the gaps
@@ -48,7 +49,9 @@ def op_category(name: str) -> str:
 
 
 def _is_op(name: str) -> bool:
-    return name.startswith("aten::") or (name.startswith("layerscope::") and not name.startswith(STEP_PREFIX))
+    if name.startswith("aten::") or name.startswith(("gloo:", "nccl:", "c10d::")):
+        return True
+    return name.startswith("layerscope::") and not name.startswith(STEP_PREFIX)
 
 
 def kineto_events(prof) -> list[tuple[str, int, int, int, bool]]:
@@ -88,6 +91,7 @@ def timeline_rows(events: list[tuple[str, int, int, int, bool]], window: int, re
     else:
         # stack entries: (end_ns, step id in scope or None, inside an op row)
         stack: list[tuple[int, int | None, bool]] = []
+        loose: list[tuple[str, int, int]] = []
         thread = None
         for name, start, end, tid, _ in host:
             if tid != thread:
@@ -101,7 +105,14 @@ def timeline_rows(events: list[tuple[str, int, int, int, bool]], window: int, re
             op = _is_op(name)
             if step is not None and op and not inside:
                 per_step[step].append((name, start, end))
+            elif step is None and op_category(name) == "communication":
+                loose.append((name, start, end))  # gloo runs collectives on its own thread
             stack.append((end, step, inside or op))
+        for name, start, end in loose:
+            for m0, m1, sid in markers:
+                if m0 <= start < m1:
+                    per_step[sid].append((name, start, end))
+                    break
     rows: list[tuple] = []
     for _, _, sid in markers:
         ops = sorted(per_step[sid], key=lambda o: o[1])
