@@ -340,8 +340,8 @@ class Causes:
         ia, ib = self.ia, self.ib
         return [f"KV free blocks at 0 on {pct(ia['kv_exhausted_frac'])} -> {pct(ib['kv_exhausted_frac'])} of steps",
                 f"preemptions {ia['num_preemptions']:.0f} -> {ib['num_preemptions']:.0f}",
-                f"recomputed tokens {pct(ia['recomputed_token_frac'])} -> {pct(ib['recomputed_token_frac'])} of "
-                "computed tokens"]
+                f"KV tokens dropped by preemption {pct(ia['recomputed_token_frac'])} -> "
+                f"{pct(ib['recomputed_token_frac'])} of the tokens computed"]
 
     def _router_evidence(self) -> list[str]:
         ia, ib = self.ia, self.ib

@@ -48,7 +48,8 @@ def kv_pressure(a: RunAnalysis) -> Finding | None:
               "preemption storm: KV cache exhausted" if storm else "KV pressure: the cache runs out of blocks",
               [f"free KV blocks at 0 on {pct(i['kv_exhausted_frac'])} of steps",
                f"{i['num_preemptions']:.0f} preemptions over {i['num_requests']:.0f} requests",
-               f"{pct(i['recomputed_token_frac'])} of computed tokens were recomputation",
+               f"KV of {pct(i['recomputed_token_frac'])} as many tokens as were computed was dropped by preemptions "
+               "(recomputed or found again in the prefix cache)",
                f"{pct(share)} of request time spent preempted or recomputing (engine.kv); {pct(queue)} waiting in "
                "engine.queue, where requests wait for free blocks",
                f"num_kv_blocks={a.cfg('num_kv_blocks')} block_size={a.cfg('block_size')}"])
