@@ -22,7 +22,7 @@ _EXPORTS = {
     "BundleWriter": "layerscope.probes.bundle",
     "read_bundle": "layerscope.probes.bundle",
     "write_part": "layerscope.probes.bundle",
-    "merge_exposition": "layerscope.probes.bundle",
+    "merge_exposition": "layerscope.probes.metrics",
     "finalize_row": "layerscope.probes.requests",
     "run_offline": "layerscope.probes.offline",
     "OfflineRun": "layerscope.probes.offline",

@@ -21,7 +21,6 @@ gateway timestamps recorded in another process enter the TTFT decomposition.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -36,7 +35,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerscope.probes import schema
+from layerscope.probes.metrics import merge_exposition
 from layerscope.probes.requests import finalize_row
+from layerscope.probes.tables import summarize
 
 MANIFEST = "manifest.json"
 METRICS_FILE = "metrics.prom"
@@ -72,76 +73,6 @@ def write_text(path: str | Path, text: str) -> None:
 def _concat(tables: list[pa.Table], sch: pa.Schema) -> pa.Table:
     tables = [t.select(sch.names).cast(sch) for t in tables]
     return pa.concat_tables(tables) if tables else sch.empty_table()
-
-
-# ---- Prometheus exposition merge ---------------------------------------------------------------
-def merge_exposition(texts: list[str]) -> str:
-    """Merge text expositions of several processes into one (one HELP/TYPE per family).
-
-    Samples of different processes differ in their ``replica`` label, so none collide.
-    """
-    texts = [t for t in texts if t.strip()]
-    if len(texts) <= 1:
-        return texts[0] if texts else ""
-    from prometheus_client.parser import text_string_to_metric_families
-    from prometheus_client.utils import floatToGoString
-
-    families: dict[str, Any] = {}
-    for text in texts:
-        for fam in text_string_to_metric_families(text):
-            if fam.name in families:
-                families[fam.name].samples.extend(fam.samples)
-            else:
-                families[fam.name] = fam
-    out: list[str] = []
-    for fam in families.values():
-        name = fam.name + "_total" if fam.type == "counter" else fam.name
-        doc = fam.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        out += [f"# HELP {name} {doc}", f"# TYPE {name} {fam.type}"]
-        for s in fam.samples:
-            labels = ",".join(
-                f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + "n").replace(chr(34), chr(92) + chr(34))}"'
-                for k, v in sorted(s.labels.items())
-            )
-            out.append(f"{s.name}{{{labels}}} {floatToGoString(s.value)}" if labels else f"{s.name} {floatToGoString(s.value)}")
-    return "\n".join(out) + "\n"
-
-
-# ---- summary ----------------------------------------------------------------------------------
-def _pcts(values: list[float]) -> dict[str, Any]:
-    vals = sorted(v for v in values if v is not None and not math.isnan(v))
-    out: dict[str, Any] = {"count": len(vals)}
-    for p in (50, 90, 99):
-        if not vals:
-            out[f"p{p}"] = None
-            continue
-        k = (len(vals) - 1) * p / 100  # linear interpolation (numpy's default)
-        lo, hi = math.floor(k), math.ceil(k)
-        out[f"p{p}"] = vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
-    return out
-
-
-def summarize(rows: list[dict[str, Any]], num_steps: int = 0) -> dict[str, Any]:
-    """Headline figures: requests, duration_s, output_tokens_per_s (busy interval), TTFT/TPOT/E2E percentiles."""
-    starts = [r.get("gateway_arrival_ns") or r.get("engine_arrival_ns") for r in rows]
-    ends = [r.get("gateway_finished_ns") or r.get("engine_finished_ns") for r in rows]
-    starts = [s for s in starts if s is not None]
-    ends = [e for e in ends if e is not None]
-    duration = (max(ends) - min(starts)) / 1e9 if starts and ends else 0.0
-    out_tokens = sum(r.get("num_output_tokens") or 0 for r in rows)
-    finished = [r for r in rows if (r.get("status") or "").startswith("finished")]
-    return {
-        "requests": len(rows),
-        "requests_finished": len(finished),
-        "requests_failed": len(rows) - len(finished),
-        "num_steps": num_steps,
-        "duration_s": duration,
-        "output_tokens": out_tokens,
-        "output_tokens_per_s": out_tokens / duration if duration > 0 else None,
-        "ttft_s": _pcts([r.get("ttft_s") for r in rows]),
-        "tpot_s": _pcts([r.get("tpot_s") for r in rows]),
-        "e2e_s": _pcts([r.get("e2e_s") for r in rows]),
-    }
 
 
 # ---- exports and parts (one per process) ------------------------------------------------------------

@@ -14,7 +14,7 @@ ITL, E2E).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -184,3 +184,35 @@ def create_metrics(registry: CollectorRegistry | None = None, model_name: str = 
                    replica: str | int = 0) -> MetricSet:
     """Create every registry metric's collector in ``registry`` (a fresh one if None)."""
     return MetricSet(registry, model_name, replica)
+
+
+def merge_exposition(texts: list[str]) -> str:
+    """Merge text expositions of several processes into one (one HELP/TYPE per family).
+
+    Samples of different processes differ in their ``replica`` label, so none collide.
+    """
+    texts = [t for t in texts if t.strip()]
+    if len(texts) <= 1:
+        return texts[0] if texts else ""
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.utils import floatToGoString
+
+    families: dict[str, Any] = {}
+    for text in texts:
+        for fam in text_string_to_metric_families(text):
+            if fam.name in families:
+                families[fam.name].samples.extend(fam.samples)
+            else:
+                families[fam.name] = fam
+    out: list[str] = []
+    for fam in families.values():
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        doc = fam.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        out += [f"# HELP {name} {doc}", f"# TYPE {name} {fam.type}"]
+        for s in fam.samples:
+            labels = ",".join(
+                f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + "n").replace(chr(34), chr(92) + chr(34))}"'
+                for k, v in sorted(s.labels.items())
+            )
+            out.append(f"{s.name}{{{labels}}} {floatToGoString(s.value)}" if labels else f"{s.name} {floatToGoString(s.value)}")
+    return "\n".join(out) + "\n"

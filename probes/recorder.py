@@ -16,6 +16,9 @@ Serving across processes: the gateway process runs a recorder with
 timestamps to the replica, whose recorder gets them through ``set_traceparent`` /
 ``set_request_timestamps``. Each process writes a part (``bundle.write_part``) and
 ``BundleWriter`` merges the parts on request_id.
+
+(About 440 lines: the seam, the gateway-side methods and the row/trace assembly all
+work on the same per-request state; split, they would share private structures.)
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ from layerscope.engine.recorder import _NULL_CONTEXT, CollectiveRecord, Recorder
 from layerscope.probes import schema
 from layerscope.probes.metrics import GATEWAY_REPLICA, STEP_PHASES, MetricSet
 from layerscope.probes.requests import OUTER_FIELDS, Phase, _events, engine_row, finalize_row, gateway_phases
+from layerscope.probes.tables import collective_ns_by_step, collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
 LEVELS = ("off", "default", "full")
-_PHASE_ATTRS = ("schedule_ns", "prepare_ns", "forward_ns", "sample_ns", "output_ns")
 
 
 class _Req:
@@ -336,13 +339,7 @@ class ProbeRecorder(Recorder):
 
     # ---- building the tables (off the hot path) ---------------------------------------------
     def _collective_ns(self) -> dict[int, int]:
-        ranks = {r.rank for r in self._collectives}
-        rank0 = min(ranks) if ranks else 0
-        out: dict[int, int] = {}
-        for r in self._collectives:
-            if r.rank == rank0:
-                out[r.step_id] = out.get(r.step_id, 0) + r.duration_ns
-        return out
+        return collective_ns_by_step(self._collectives)
 
     def _build(self, st: _Req, coll: dict[int, int] | None = None) -> None:
         """The request's engine row and its trace (once per request)."""
@@ -388,37 +385,15 @@ class ProbeRecorder(Recorder):
         """Every bundle table of this recorder (empty ones included)."""
         rep = self._replica_col
         req_rows = self.request_rows(finalize)
-        steps = self._steps
-        coll = self._collective_ns()
-        step_cols = {
-            "step_id": [s.step_id for s in steps],
-            "replica": [rep] * len(steps),
-            "start_ns": [s.start_ns for s in steps],
-            "end_ns": [s.end_ns for s in steps],
-            **{a[:-3] + "_s": [getattr(s, a) / 1e9 for s in steps] for a in _PHASE_ATTRS},
-            "step_s": [(s.end_ns - s.start_ns) / 1e9 for s in steps],
-            **{c: [getattr(s, c) for s in steps] for c in (
-                "num_prefill_seqs", "num_prefill_tokens", "num_decode_seqs", "num_decode_tokens")},
-            "num_batched_tokens": [s.num_prefill_tokens + s.num_decode_tokens for s in steps],
-            **{c: [getattr(s, c) for s in steps] for c in (
-                "num_running", "num_waiting", "num_kv_blocks_free", "num_kv_blocks_total", "num_preemptions",
-                "num_prefix_queries", "num_prefix_hits")},
-            "collective_s": [coll.get(s.step_id, 0) / 1e9 for s in steps],
-            "request_ids": [s.request_ids for s in steps],
-            "request_num_tokens": [s.request_num_tokens for s in steps],
-        }
-        layers = [(sid, rep, name, ns / 1e9) for sid, rows in self._layer_times for name, ns in rows]
-        colls = [(r.step_id, rep, r.rank, r.op, r.name, r.num_bytes, r.start_ns, r.duration_ns / 1e9,
-                  r.wait_ns / 1e9) for r in self._collectives]
         kernels = self.profiler.rows if self.profiler is not None else []
         spans = self.tracer.rows if self.tracer is not None else []
         return {
             "requests": pa.Table.from_pylist(req_rows, schema=schema.REQUESTS),
-            "steps": pa.Table.from_pydict(step_cols, schema=schema.STEPS),
-            "layers": _from_rows(layers, schema.LAYER_TIMES),
-            "kernels": _from_rows(kernels, schema.KERNELS),
-            "collectives": _from_rows(colls, schema.COLLECTIVES),
-            "spans": _from_rows(spans, schema.SPANS),
+            "steps": steps_table(self._steps, rep, self._collective_ns()),
+            "layers": layers_table(self._layer_times, rep),
+            "kernels": rows_table(kernels, schema.KERNELS),
+            "collectives": collectives_table(self._collectives, rep),
+            "spans": rows_table(spans, schema.SPANS),
         }
 
     def export(self) -> dict[str, Any]:
@@ -465,8 +440,3 @@ def _fill(row: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         if v is not None and row.get(k) is None:
             row[k] = v
     return row
-
-
-def _from_rows(rows: list[tuple], sch: pa.Schema) -> pa.Table:
-    cols = list(zip(*rows)) if rows else [[] for _ in sch.names]
-    return pa.Table.from_arrays([pa.array(list(c), type=f.type) for c, f in zip(cols, sch)], schema=sch)
