@@ -123,3 +123,24 @@ def test_pyspy_absent_is_a_warning(monkeypatch, tmp_path):
     with pytest.warns(RuntimeWarning, match="py-spy is not installed"):
         assert spy.start() is False
     assert spy.stop() is None
+
+
+def test_tp2_full_collectives_and_worker_profile(tiny_model, tmp_path):
+    """TP=2: collectives land in the decomposition, the op timeline and py-spy covers the worker."""
+    from layerscope.probes import schema
+    from layerscope.probes.offline import run_offline
+
+    run = run_offline(tiny_model, prompts(4), params(4), tmp_path / "tp", "full", tp_size=2,
+                      recorder_options={"profile_every_steps": 4}, **ENGINE)
+    b = read_bundle(run.bundle, full=True)
+    co = b.collectives
+    assert set(co["rank"]) == {0, 1} and set(co.op) >= {"all_reduce"}
+    assert (b.steps.collective_s > 0).all()
+    rq = b.requests
+    assert (rq.ttft_parallel_collective_s > 0).all()
+    cols = [c for _, c in schema.TTFT_COMPONENTS] + ["ttft_residual_s"]
+    assert ((rq[cols].sum(axis=1) - rq.ttft_s).abs() <= 0.01 * rq.ttft_s).all()
+    assert "communication" in set(b.kernels.category)
+    if find_pyspy() is not None:  # one py-spy on the engine process, one on the rank-1 worker
+        folded = {p.name for p in b.trace_files if p.name.endswith(".folded.txt")}
+        assert f"pyspy-{os.getpid()}.folded.txt" in folded and len(folded) == 2
