@@ -185,6 +185,7 @@ async def _send(client: httpx.AsyncClient, model: str, req: RequestSpec, rec: Cl
         async with client.stream("POST", path, content=payload, headers=headers or {},
                                  extensions=None) as resp:
             rec.http_status = resp.status_code
+            rec.request_id = resp.headers.get("x-request-id")  # our server's; others may not send it
             if resp.status_code != 200:
                 raw = await resp.aread()
                 rec.client_done_ns = time.monotonic_ns()

@@ -20,8 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probes", default="default", choices=PROBE_LEVELS, help="what to record")
 
 
-def build_gateway(args: argparse.Namespace, record: bool):
-    """EngineConfig + Faults from the command line, and a started-nothing-yet Gateway."""
+def build_gateway(args: argparse.Namespace, record: bool, recorder_kwargs: dict | None = None):
+    """EngineConfig + Faults from the command line, and a Gateway (not started yet)."""
     from layerscope.engine.config import EngineConfig, parse_set_args
     from layerscope.engine.faults import Faults
     from layerscope.engine.gateway.gateway import Gateway
@@ -33,7 +33,8 @@ def build_gateway(args: argparse.Namespace, record: bool):
     config = EngineConfig.from_overrides(**overrides)
     faults = Faults.parse(args.fault)
     return Gateway(config, faults, num_replicas=args.replicas, probes=args.probes,
-                   served_model_name=getattr(args, "served_model_name", None), record=record)
+                   served_model_name=getattr(args, "served_model_name", None), record=record,
+                   recorder_kwargs=recorder_kwargs)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

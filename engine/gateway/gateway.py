@@ -65,6 +65,7 @@ class GatewayRecord:
     num_output_tokens: int = 0
     num_preemptions: int | None = None
     token_ns: list[int] = field(default_factory=list)  # each token handed to the HTTP stream
+    traceparent: str | None = None  # of the gateway's root span; the replica's spans join its trace
 
     @property
     def ttft_s(self) -> float | None:
@@ -154,7 +155,11 @@ class Gateway:
     """Admission, routing and the replica processes behind one OpenAI-compatible endpoint."""
 
     def __init__(self, config: EngineConfig, faults: Faults | None = None, num_replicas: int = 1,
-                 probes: str = "default", served_model_name: str | None = None, record: bool = True):
+                 probes: str = "default", served_model_name: str | None = None, record: bool = True,
+                 recorder_kwargs: dict[str, Any] | None = None):
+        """``probes``: off | default | full, for the gateway's recorder and every replica's;
+        ``record``: keep a GatewayRecord per request in ``records`` (a run; not a long-lived
+        server); ``recorder_kwargs``: passed to each ProbeRecorder (profiler/py-spy knobs)."""
         if num_replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
         if config.num_threads == 0 and config.device != "cuda":
@@ -171,7 +176,8 @@ class Gateway:
                                              self.faults.gateway_delay_ms / 1000.0)
         self.router = Router(config.router_policy, num_replicas, config.block_size, self.faults.router_skew,
                              seed=config.seed)
-        self.replicas = [ReplicaClient(i, config, self.faults, probes, self.model_name) for i in range(num_replicas)]
+        self.replicas = [ReplicaClient(i, config, self.faults, probes, self.model_name, recorder_kwargs)
+                         for i in range(num_replicas)]
         self.num_in_flight = [0] * num_replicas
         self.records: list[GatewayRecord] = []
         self.replica_families: list[list] = [[] for _ in range(num_replicas)]
@@ -183,9 +189,20 @@ class Gateway:
         self._collect: dict[int, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._started = False
+        from layerscope.engine.gateway.replica import make_recorder
         from layerscope.probes.metrics import create_metrics
 
-        self.metrics = create_metrics(model_name=self.model_name, replica="gateway")
+        # the gateway's own recorder: its spans, its request fields, its metric set. It keeps
+        # everything until the run ends, so a long-lived server (record=False) runs without one.
+        # "full" adds profiler windows and py-spy, which are about engine steps: the gateway
+        # records at "default" (and so never imports torch)
+        gw_probes = "off" if not record or probes == "off" else "default"
+        self.recorder = make_recorder(gw_probes, "gateway", self.model_name)
+        self.recording = self.recorder.enabled
+        if self.recording:
+            self.recorder.configure(config)
+        self.metrics = self.recorder.metrics if self.recording else create_metrics(model_name=self.model_name,
+                                                                                     replica="gateway")
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, timeout_s: float = 300.0) -> None:
@@ -202,6 +219,9 @@ class Gateway:
         self.resolved = [i["resolved"] for i in infos]
         for r in self.replicas:
             r.start_reader(self._on_message)
+        if self.recording:
+            self.recorder.configure(resolved=self.resolved[0])
+            self.recorder.start()
         self._started = True
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -226,6 +246,8 @@ class Gateway:
         rec = GatewayRecord(f"{prefix}-{uuid.uuid4().hex[:24]}", api, stream, time.monotonic_ns(), session_id)
         if self.record:
             self.records.append(rec)
+        if self.recording:
+            rec.traceparent = self.recorder.gateway_begin(rec.request_id, rec.gateway_arrival_ns)
         return rec
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -263,8 +285,9 @@ class Gateway:
             raise APIError(429, str(e), type="rate_limit_exceeded", code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.config.gateway.retry_after_s)}) from None
         rec.gateway_admitted_ns = time.monotonic_ns()
-        self.metrics.child("layerscope_gateway_queue_time_seconds").observe(
-            (rec.gateway_admitted_ns - rec.gateway_arrival_ns) / 1e9)
+        if not self.recording:  # the recorder's gateway_end observes it otherwise
+            self.metrics.child("layerscope_gateway_queue_time_seconds").observe(
+                (rec.gateway_admitted_ns - rec.gateway_arrival_ns) / 1e9)
         try:
             alive = [r.alive for r in self.replicas]
             if not any(alive):
@@ -282,7 +305,10 @@ class Gateway:
         timeout = self.config.gateway.request_timeout_s
         stream.timer = asyncio.get_running_loop().call_later(timeout, self._timeout, stream, timeout)
         rec.gateway_routed_ns = time.monotonic_ns()
-        self.replicas[idx].send(("add", rec.request_id, token_ids, params, None))
+        self.replicas[idx].send(("add", rec.request_id, token_ids, params, rec.traceparent,
+                                 {"gateway_arrival_ns": rec.gateway_arrival_ns,
+                                  "gateway_admitted_ns": rec.gateway_admitted_ns,
+                                  "gateway_routed_ns": rec.gateway_routed_ns}))
         self._update_queue_gauges()
         return stream
 
@@ -321,15 +347,26 @@ class Gateway:
         rec.error = err.message
         if err.status == 499:  # the client left while queued
             rec.status, rec.finish_reason = "finished_aborted", "abort"
-            return
-        rec.status = "rejected" if err.status == 429 else "error"
-        self.metrics.child("layerscope_gateway_requests_total", str(err.status)).inc()
-        if err.status != 429:
-            self.metrics.child("layerscope_request_errors_total", "invalid" if err.status < 500 else "error").inc()
+        else:
+            rec.status = "rejected" if err.status == 429 else "error"
+            if err.status != 429:
+                kind = "invalid" if err.status < 500 else "error"
+                self.metrics.child("layerscope_request_errors_total", kind).inc()
+        self._end_record(rec)
+
+    def _end_record(self, rec: GatewayRecord) -> None:
+        """Hand the finished record to the gateway recorder (spans, its metrics), else count it."""
+        if self.recording:
+            self.recorder.gateway_end(
+                rec.request_id, status=rec.status, http_status=rec.http_status, error=rec.error,
+                **{k: getattr(rec, k) for k in ("gateway_admitted_ns", "gateway_routed_ns", "gateway_first_token_ns",
+                                                "gateway_finished_ns", "replica") if getattr(rec, k) is not None})
+        else:
+            self.metrics.child("layerscope_gateway_requests_total", str(rec.http_status)).inc()
 
     def _observe(self, rec: GatewayRecord) -> None:
+        self._end_record(rec)
         m = self.metrics
-        m.child("layerscope_gateway_requests_total", str(rec.http_status)).inc()
         if rec.ttft_s is not None:
             m.child("layerscope_time_to_first_token_seconds").observe(rec.ttft_s)
             itl = m.child("layerscope_inter_token_latency_seconds")

@@ -12,7 +12,7 @@ hands every message to a callback (the gateway dispatches it onto its event loop
 ``multiprocessing.Queue.put`` never blocks the caller (a feeder thread writes the pipe).
 
 Messages (tuples, first item the kind):
-  parent -> child: ("add", rid, prompt_token_ids, SamplingParams, traceparent | None),
+  parent -> child: ("add", rid, prompt_token_ids, SamplingParams, traceparent | None, gateway fields),
                    ("abort", rid), ("collect",), ("shutdown",)
   child -> parent: ("ready", info), ("out", [TokenDelta, ...]), ("error", rid, message),
                    ("metrics", families, stats), ("records", payload), ("fatal", message), ("exit",)
@@ -54,19 +54,18 @@ class TokenDelta(NamedTuple):
 
 
 # ---- child process ------------------------------------------------------------------------------
-def make_recorder(probes: str, replica: int, model_name: str):
-    """The engine's recorder for this replica: probes' ProbeRecorder, or the no-op one when off."""
+def make_recorder(probes: str, replica: int | str, model_name: str, **kwargs: Any):
+    """This process's recorder: probes' ProbeRecorder, or the engine's no-op one when probes are off.
+
+    ``kwargs`` go to ProbeRecorder (``pyspy=False``, ``profile_max_windows=0``, ...).
+    """
     from layerscope.engine.recorder import Recorder
 
     if probes == "off":
         return Recorder()
-    try:
-        from layerscope.probes.recorder import ProbeRecorder
-    except ModuleNotFoundError as e:
-        if e.name and "layerscope.probes" in e.name:
-            return Recorder()  # probes not built yet: serve without them
-        raise
-    return ProbeRecorder(level=probes, replica=replica, model_name=model_name)
+    from layerscope.probes.recorder import ProbeRecorder
+
+    return ProbeRecorder(probes, replica=replica, model_name=model_name, **kwargs)
 
 
 class _EngineMetrics:
@@ -116,7 +115,8 @@ def _delta(out) -> TokenDelta:
                       out.arrival_ns, out.first_token_ns, out.finished_ns, out.num_preemptions)
 
 
-def replica_main(index: int, config, faults, probes: str, model_name: str, inbox, outbox) -> None:
+def replica_main(index: int, config, faults, probes: str, model_name: str, recorder_kwargs: dict[str, Any],
+                 inbox, outbox) -> None:
     """Entry point of a replica process: load the engine, then serve the inbox until shutdown."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the gateway stops us
@@ -124,8 +124,11 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, inbox
     from layerscope.engine.sampling_params import InvalidRequestError
 
     try:
-        recorder = make_recorder(probes, index, model_name)
+        recorder = make_recorder(probes, index, model_name, **recorder_kwargs)
         engine = LLMEngine(config, recorder=recorder, faults=faults)
+        if recorder.enabled:
+            recorder.configure(engine.config, engine.resolved)
+            recorder.start()
         metrics = _EngineMetrics(recorder, model_name, index)
     except Exception as e:  # noqa: BLE001 - reported to the gateway, which refuses to start
         outbox.put(("fatal", f"replica {index} failed to start: {type(e).__name__}: {e}"))
@@ -151,9 +154,11 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, inbox
             for msg in msgs:
                 kind = msg[0]
                 if kind == "add":
-                    _, rid, ids, params, traceparent = msg
-                    if traceparent and hasattr(recorder, "set_traceparent"):
-                        recorder.set_traceparent(rid, traceparent)
+                    _, rid, ids, params, traceparent, outer = msg
+                    if recorder.enabled:
+                        if traceparent:
+                            recorder.set_traceparent(rid, traceparent)
+                        recorder.set_request_timestamps(rid, **outer)
                     try:
                         engine.add_request(ids, params, request_id=rid, arrival_ns=time.monotonic_ns())
                     except InvalidRequestError as e:
@@ -191,14 +196,19 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, inbox
     finally:
         try:
             engine.shutdown()
+            if recorder.enabled:
+                recorder.shutdown()
         finally:
             outbox.put(("exit",))
 
 
 def _export_records(recorder) -> Any:
-    """What the gateway merges into the run bundle: the recorder's tables (None without probes)."""
-    export = getattr(recorder, "export", None)
-    return export() if export is not None else None
+    """What the gateway merges into the run bundle: the recorder's ``export()`` (None without probes).
+    Ends the recording window (profiler, py-spy); the replica keeps serving."""
+    if not recorder.enabled:
+        return None
+    recorder.stop()
+    return recorder.export()
 
 
 # ---- parent side --------------------------------------------------------------------------------
@@ -209,14 +219,16 @@ class ReplicaError(RuntimeError):
 class ReplicaClient:
     """One replica process, seen from the gateway."""
 
-    def __init__(self, index: int, config, faults, probes: str, model_name: str):
+    def __init__(self, index: int, config, faults, probes: str, model_name: str,
+                 recorder_kwargs: dict[str, Any] | None = None):
         ctx = mp.get_context("spawn")
         self.index = index
         self.inbox = ctx.Queue()
         self.outbox = ctx.Queue()
         # not a daemon: a replica with tp_size > 1 starts its own TP worker processes
         self.process = ctx.Process(target=replica_main, name=f"layerscope-replica-{index}",
-                                   args=(index, config, faults, probes, model_name, self.inbox, self.outbox))
+                                   args=(index, config, faults, probes, model_name, recorder_kwargs or {},
+                                         self.inbox, self.outbox))
         self.info: dict[str, Any] = {}
         self.alive = False
         self._reader: threading.Thread | None = None

@@ -42,8 +42,11 @@ from layerscope.engine.gateway.protocol import (
 CLIENT_GONE = 499  # nginx's "client closed request": recorded, never sent
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def error_response(err: APIError, request_id: str | None = None) -> JSONResponse:
+    headers = dict(err.headers)
+    if request_id:
+        headers["X-Request-Id"] = request_id  # joins a refused request with the client's record
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -118,14 +121,14 @@ def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
             params = req.sampling_params(gateway.check_length(len(ids), max_tokens))
         except APIError as e:
             gateway.reject(rec, e)
-            return error_response(e)
+            return error_response(e, rec.request_id)
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             stream = await _unless_gone(gateway.submit(rec, ids, params), gone, gateway)
         except APIError as e:
             gone.cancel()
             gateway.reject(rec, e)
-            return error_response(e) if e.status != CLIENT_GONE else Response(status_code=CLIENT_GONE)
+            return error_response(e, rec.request_id) if e.status != CLIENT_GONE else Response(status_code=CLIENT_GONE)
         builder = ResponseBuilder(rec.request_id, gateway.model_name, chat)
         if req.stream:
             gone.cancel()  # from here StreamingResponse watches the connection itself
@@ -200,13 +203,13 @@ async def _full(gateway: Gateway, stream: RequestStream, builder: ResponseBuilde
             last = d
     except APIError as e:
         gateway.close(stream, e.status, e.message)
-        return error_response(e) if e.status != CLIENT_GONE else Response(status_code=CLIENT_GONE)
+        return error_response(e, stream.record.request_id) if e.status != CLIENT_GONE else Response(status_code=CLIENT_GONE)
     except BaseException:
         gateway.close(stream, 500, "internal error")
         raise
     body = builder.full("".join(parts), last.finish_reason, last.stop_reason, _usage(stream.record))
     gateway.close(stream, 200)
-    return JSONResponse(body)
+    return JSONResponse(body, headers={"X-Request-Id": stream.record.request_id})
 
 
 # ---- running it ---------------------------------------------------------------------------------
