@@ -2,10 +2,12 @@
 
 No torch here: blocks are integers, so every invariant is testable on plain data.
 
-Prefix caching uses chained block hashes: the hash of a full block is
-``hash((parent_hash, *token_ids))``. Only blocks whose KV has been computed are hashed
-(``cache_blocks`` after each step). A lookup checks the stored tokens too (the
-token-equality guard), so a hash collision can never serve the wrong KV.
+Prefix caching uses chained block hashes: the hash of a full block is a 128-bit
+BLAKE2b digest of (parent's hash, this block's token ids). Only blocks whose KV has
+been computed are hashed (``cache_blocks`` after each step). A lookup also checks the
+stored tokens (the token-equality guard) and the parent hash the block was computed
+after, so a colliding hash alone never serves the wrong KV: that would take two
+different prefixes with the same 128-bit chained digest.
 
 Freed blocks keep their hash and stay reusable until they are handed out again.
 The free queue is LRU: allocation takes from the front, frees append at the back, a
@@ -14,23 +16,30 @@ request's blocks in reverse order so its tail is evicted before its shared prefi
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from layerscope.engine.request import Request
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    return hash((parent_hash, *token_ids))
+def hash_block(parent_hash: Hashable | None, token_ids: Sequence[int]) -> Hashable:
+    """Chained, collision-resistant block hash (bytes)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash if isinstance(parent_hash, bytes) else repr(parent_hash).encode())
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None
+        self.block_hash: Hashable | None = None
+        self.parent_hash: Hashable | None = None  # hash of the prefix this block's KV was computed after
         self.token_ids: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
@@ -46,7 +55,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[Hashable, int] = {}
         # prefix-cache statistics, in tokens (vLLM counts queries and hits in tokens)
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
@@ -69,6 +78,8 @@ class BlockManager:
         """Longest cached prefix of the request's tokens: (block ids, number of tokens).
 
         At least one token is always left to compute, so the step yields logits.
+        Statistics are counted by ``record_prefix_lookup`` once the request is admitted,
+        so a request that waits several steps is counted once.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -76,18 +87,24 @@ class BlockManager:
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // bs
         hits: list[int] = []
-        parent: int | None = None
+        parent: Hashable | None = None
         for i in range(max_blocks):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = hash_block(parent, chunk)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            if block_id is None or block_id in hits:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != chunk or block.parent_hash != parent:  # collision guards
                 break
             hits.append(block_id)
             parent = h
-        self.num_prefix_queries += len(tokens)
-        self.num_prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += num_tokens
+            self.num_prefix_hits += num_hit_tokens
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Hash the request's full blocks whose KV is now computed."""
@@ -103,6 +120,7 @@ class BlockManager:
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is None and h not in self.hash_to_block:
                 block.block_hash = h
+                block.parent_hash = parent
                 block.token_ids = chunk
                 self.hash_to_block[h] = block.block_id
 
@@ -139,7 +157,7 @@ class BlockManager:
         if block.block_hash is not None:  # evict its cached content
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
-            block.block_hash = None
+            block.block_hash = block.parent_hash = None
             block.token_ids = ()
         block.ref_count = 1
         return block_id
@@ -162,7 +180,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self.hash_to_block.pop(block.block_hash, None)
-                block.block_hash = None
+                block.block_hash = block.parent_hash = None
                 block.token_ids = ()
 
     def check_invariants(self, requests: Sequence[Request] = ()) -> None:

@@ -181,6 +181,7 @@ class Scheduler:
             if bm.allocate_slots(req, num_new, hits) is None:
                 break
             self.waiting.popleft()
+            bm.record_prefix_lookup(req.num_tokens, num_cached)
             resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached

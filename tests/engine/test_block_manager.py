@@ -488,12 +488,14 @@ def test_reset_prefix_cache_forgets_only_free_blocks():
     bm.check_invariants([b])
 
 
-def test_prefix_stats_count_tokens():
+def test_prefix_stats_count_tokens_once_per_admission():
     bm = BlockManager(8, 2)
     a = make_req("a", [1, 2, 3, 0, 1])
     compute_all(bm, a)
     q0, h0 = bm.num_prefix_queries, bm.num_prefix_hits
-    bm.get_computed_blocks(make_req("b", [1, 2, 3, 0, 2]))
+    hits, n = bm.get_computed_blocks(make_req("b", [1, 2, 3, 0, 2]))
+    assert (bm.num_prefix_queries, bm.num_prefix_hits) == (q0, h0)  # a lookup alone counts nothing
+    bm.record_prefix_lookup(5, n)
     assert bm.num_prefix_queries - q0 == 5
     assert bm.num_prefix_hits - h0 == 4
 

@@ -660,3 +660,24 @@ def test_pop_finished_forgets_only_finished():
     assert h.sched.pop_finished("X") is r and "X" in h.sched.requests
     h.drain()
     assert h.sched.pop_finished("X") is r and "X" not in h.sched.requests
+
+
+def test_blocked_waiting_request_counts_prefix_lookup_once():
+    from layerscope.engine.block_manager import BlockManager
+    from layerscope.engine.request import Request
+    from layerscope.engine.sampling_params import SamplingParams
+    from layerscope.engine.scheduler import ModelRunnerOutput, Scheduler
+
+    bm = BlockManager(4, 2)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=8)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    sched.add_request(Request("a", [1, 2, 3, 4, 5], sp))  # takes 3 of 4 blocks
+    sched.add_request(Request("b", [1, 2, 9, 9, 9, 9], sp))  # needs 3: waits
+    for _ in range(3):
+        out = sched.schedule()
+        sampled = {s.request_id: 7 for s in out.scheduled if s.do_sample}
+        sched.update_from_output(out, ModelRunnerOutput(sampled))
+        if "b" in out.num_scheduled_tokens:
+            break
+    # "a" counted once at admission; "b" once when finally admitted (or not yet)
+    assert bm.num_prefix_queries in (5, 5 + 6)
