@@ -19,6 +19,7 @@ needs evidence from both runs' measurements and returns it as text.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -146,8 +147,11 @@ class Causes:
         ia, ib = self.ia, self.ib
         return ib["num_replicas"] > 1 and ib["replica_share_max"] - ia["replica_share_max"] >= 0.15
 
-    def explain(self, layer: str, delta_s: float, metric: str) -> list[Part]:
-        """Blame ``delta_s`` seconds measured in ``layer`` on the layer(s) that caused it."""
+    def explain(self, layer: str, delta_s: float, metric: str, from_slowdown: bool = False) -> list[Part]:
+        """Blame ``delta_s`` seconds measured in ``layer`` on the layer(s) that caused it.
+
+        ``from_slowdown``: called to explain one phase of a per-step slowdown (the batch
+        composition rule must not hand it back to the slowdown rule)."""
         if self.router_skewed and layer not in ("gateway.queue", "gateway.route", "parallel.collective"):
             return [Part("gateway.route", delta_s, f"the router overloads one replica: its requests wait and its "
                          f"batches grow ({layer})", self._router_evidence())]
@@ -156,7 +160,7 @@ class Causes:
         if layer == "idle":
             return [Part("workload", delta_s, "the engine sat idle waiting for requests: the offered load changed")]
         if layer == "model.forward":
-            return self._forward(delta_s)
+            return self._forward(delta_s, from_slowdown)
         if layer == "engine.kv":
             return [Part("engine.kv", delta_s, "time lost to preemption (waiting preempted, recomputing)",
                          self._kv_evidence())]
@@ -220,7 +224,7 @@ class Causes:
         for layer, v in sorted(up.items(), key=lambda kv: -kv[1]):
             if v / total < 0.05:
                 continue
-            for p in self.explain(layer, d * v / total, "step"):
+            for p in self.explain(layer, d * v / total, "step", from_slowdown=True):
                 p.cause = f"every step got slower, so {effect} ({p.cause})"
                 p.evidence = [f"{layer} +{ms(v)} per step at equal batch size"] + p.evidence
                 parts.append(p)
@@ -231,12 +235,14 @@ class Causes:
         return parts
 
     # ---- model time ----
-    def _forward(self, d: float) -> list[Part]:
+    def _forward(self, d: float, from_slowdown: bool = False) -> list[Part]:
         ia, ib = self.ia, self.ib
         fwd_slow = self.phase["model.forward"]
         base_fwd = ia.get("forward_s_mean") or math.nan
         normalized = fwd_slow / base_fwd if base_fwd > 0 else 0.0
         if normalized < 0.1:  # steps are not slower per token: they carry more tokens
+            if from_slowdown:
+                return [Part("model.forward", d, "model time per step grew with the batch")]
             comp = self._composition(d)
             return comp if isinstance(comp, list) else [comp]
         fa = self.a.forward_fit
@@ -251,25 +257,48 @@ class Causes:
             pos = rows[rows["delta_s"] > 0]
             total = pos["delta_s"].sum()
             top = rows.iloc[0]
-            if total > 0 and top["delta_s"] >= 0.5 * total and top["delta_s"] >= 0.3 * top["baseline_s"]:
+            m = re.fullmatch(r"layers\.\d+\.(\w+)", top["name"])
+            sib = rows[rows["name"].str.fullmatch(rf"layers\.\d+\.{m.group(1)}") & (rows["name"] != top["name"])] \
+                if m else rows.iloc[1:]
+            sib_max = max(float(sib["delta_s"].max()), 0.0) if len(sib) else 0.0
+            others = rows.iloc[1:]["ratio"].dropna()
+            sib_ratio = float(sib["ratio"].max()) if len(sib) and sib["ratio"].notna().any() else 1.0
+            # localized: the same row of the other layers did not grow alike, in seconds or (when
+            # everything got slower around an injected delay, as on a shared CPU) as a factor
+            by_delta = top["delta_s"] >= 3 * sib_max
+            by_ratio = (len(others) > 0 and top["ratio"] >= 3 * float(others.median())
+                        and top["ratio"] >= 3 * sib_ratio)
+            if (total > 0 and top["delta_s"] >= 0.3 * total and top["delta_s"] >= 0.3 * top["baseline_s"]
+                    and (by_delta or by_ratio)):
                 ev = [f"{r.name} {ms(r.baseline_s)} -> {ms(r.candidate_s)} per timed step (at equal batch size)"
                       for r in pos.head(3).itertuples()]
                 return [Part("model.forward", d, f"one layer row got slower: {top['name']}", ev)]
         ka, kb = self.a.kernel_summary, self.b.kernel_summary
         if ka["num_steps"] and kb["num_steps"]:
-            # gaps per forward barely depend on the batch; compute does, so take it from the
-            # forward slowdown at equal batch size minus the gap change
+            # idle gaps per forward barely depend on the batch; compute does, so take it from the
+            # forward slowdown at equal batch size minus the gap change. Ops that all gained the
+            # same time per call (not the same factor) are launch overhead booked inside the op.
             dg = kb["gap_s"] - ka["gap_s"]
             dc = fwd_slow - max(dg, 0.0)
+            ops = model.op_change_kind(model.kernel_op_deltas(self.a.run, self.b.run))
             ev = [f"launch gaps per profiled forward {ms(ka['gap_s'])} -> {ms(kb['gap_s'])} "
                   f"({pct(ka['gap_share'])} -> {pct(kb['gap_share'])} of forward)",
                   f"kernel compute per profiled forward {ms(ka['compute_s'])} -> {ms(kb['compute_s'])}; "
                   f"forward +{ms(fwd_slow)} per step at equal batch size"]
+            if ops["kind"] == "additive":
+                ev.append(f"{ops['num_ops']} ops each gained about {ms(ops['per_op_s'])} per call whatever their "
+                          f"size (spread {ops['cv_additive']:.2f} vs {ops['cv_multiplicative']:.2f} for a common "
+                          "factor): a fixed cost per launch")
+                dg, dc = max(dg, 0.0) + max(dc, 0.0), 0.0
+            elif ops["kind"] == "multiplicative":
+                ev.append(f"{ops['num_ops']} ops each got about {ops['factor']:.2f}x slower (spread "
+                          f"{ops['cv_multiplicative']:.2f} vs {ops['cv_additive']:.2f} for a fixed extra time)")
             up = max(dc, 0) + max(dg, 0)
             if up > 0:
                 parts = []
                 if dg > 0 and dg / up >= 0.1:
-                    parts.append(Part("kernel.launch_gap", d * dg / up, "device idle between kernels/ops grew", ev))
+                    parts.append(Part("kernel.launch_gap", d * dg / up, "device idle between kernels/ops grew"
+                                      if ops["kind"] != "additive" else "a fixed cost per kernel/op launch grew", ev))
                 if dc > 0 and dc / up >= 0.1:
                     parts.append(self._compute_part(d * dc / up, "time inside kernels/ops grew", ev))
                 if parts:

@@ -89,8 +89,20 @@ def compare(baseline: Run | str | RunAnalysis, candidate: Run | str | RunAnalysi
     the_slo = slos(a, slo)
 
     metrics: dict[str, dict] = {}
+    pairs = _pairs(a.ok, b.ok)
     for name, m, q, kind in LATENCY_METRICS:
-        metrics[name] = compare_quantile(a.ok[f"{m}_s"].to_numpy(), b.ok[f"{m}_s"].to_numpy(), q, kind, rule)
+        if pairs is not None:
+            va, vb = a.ok[f"{m}_s"].to_numpy()[pairs[0]], b.ok[f"{m}_s"].to_numpy()[pairs[1]]
+            metrics[name] = compare_quantile(va, vb, q, kind, rule, paired=True)
+            metrics[name].update(baseline=float(np.nanquantile(a.ok[f"{m}_s"], q)) if a.ok[f"{m}_s"].notna().any()
+                                 else math.nan,
+                                 candidate=float(np.nanquantile(b.ok[f"{m}_s"], q)) if b.ok[f"{m}_s"].notna().any()
+                                 else math.nan, n_baseline=len(a.ok), n_candidate=len(b.ok))
+            m_ = metrics[name]
+            if m_["baseline"] and not math.isnan(m_["baseline"]):
+                m_["delta_pct"] = 100 * (m_["candidate"] / m_["baseline"] - 1)
+        else:
+            metrics[name] = compare_quantile(a.ok[f"{m}_s"].to_numpy(), b.ok[f"{m}_s"].to_numpy(), q, kind, rule)
     metrics[THROUGHPUT] = _throughput(a, b, rule)
     good_a, good_b = meets_slo(a.ok, the_slo), meets_slo(b.ok, the_slo)  # a.ok is in arrival order
     metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule)
@@ -142,6 +154,21 @@ def compare(baseline: Run | str | RunAnalysis, candidate: Run | str | RunAnalysi
         "workload_diff": [{k: _num(v) for k, v in r.items()} for r in wdiff.to_dict("records")],
     }
     return Comparison(diagnosis, attribution, cdiff, wdiff, the_slo, a, b)
+
+
+def _pairs(a: pd.DataFrame, b: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
+    """Row positions of the same requests in both runs (base arrival order), when both served
+    the same workload: >= 90% of request ids shared with equal prompt and output lengths."""
+    ia = pd.Index(a["request_id"])
+    pos_b = pd.Index(b["request_id"]).get_indexer(ia)
+    ok = pos_b >= 0
+    if ok.sum() < 0.9 * max(len(a), len(b)) or ok.sum() < 5:
+        return None
+    pa, pb = np.flatnonzero(ok), pos_b[ok]
+    for c in ("num_prompt_tokens", "num_output_tokens"):
+        if not np.array_equal(a[c].to_numpy()[pa], b[c].to_numpy()[pb]):
+            return None
+    return pa, pb
 
 
 def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:

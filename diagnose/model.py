@@ -95,6 +95,51 @@ def kernel_summary(run: Run) -> dict[str, float]:
             "gap_s": float(g), "gap_share": float(g / (c + g)) if c + g > 0 else np.nan}
 
 
+def kernel_op_deltas(base: Run, cand: Run) -> pd.DataFrame:
+    """Median duration per kernel/op name in both runs' profiled windows (medians: a shared
+    machine preempts single op calls).
+
+    Columns: name, count_baseline, count_candidate, baseline_s, candidate_s, delta_s, ratio.
+    """
+    cols = ["name", "count_baseline", "count_candidate", "baseline_s", "candidate_s", "delta_s", "ratio"]
+    if base.kernels.empty or cand.kernels.empty:
+        return pd.DataFrame(columns=cols)
+    a = base.kernels.groupby("name")["duration_s"].agg(["count", "median"])
+    b = cand.kernels.groupby("name")["duration_s"].agg(["count", "median"])
+    df = a.join(b, how="inner", lsuffix="_b", rsuffix="_c").reset_index()  # noqa: pandas keeps the order
+    df.columns = ["name", "count_baseline", "baseline_s", "count_candidate", "candidate_s"]
+    df["delta_s"] = df["candidate_s"] - df["baseline_s"]
+    df["ratio"] = df["candidate_s"] / df["baseline_s"].where(df["baseline_s"] > 0)
+    return df[cols].sort_values("delta_s", ascending=False).reset_index(drop=True)
+
+
+def op_change_kind(deltas: pd.DataFrame, min_delta_s: float = 1e-6, min_ratio: float = 1.2) -> dict:
+    """How the ops that got slower changed: ``additive`` (the same extra time per op call,
+    whatever the op: launch/dispatch overhead, even when a CPU profiler books it inside
+    the op) or ``multiplicative`` (the same factor: slower kernels or a slower machine).
+
+    Returns kind (additive | multiplicative | None), num_ops, per_op_s (median extra time),
+    factor (median ratio), cv_additive, cv_multiplicative (spread of each model; the
+    smaller wins).
+    """
+    changed = deltas[(deltas["delta_s"] > min_delta_s) & (deltas["ratio"] >= min_ratio)]
+    changed = changed.sort_values("delta_s", ascending=False)
+    # the ops that carry the change (95% of it, at least 5): small ops that merely drift with
+    # the machine's load would blur both models
+    cum = changed["delta_s"].cumsum() / changed["delta_s"].sum() if len(changed) else changed["delta_s"]
+    changed = changed[(cum.shift(fill_value=0.0) < 0.95) | (np.arange(len(changed)) < 5)]
+    out = {"kind": None, "num_ops": int(len(changed)), "per_op_s": np.nan, "factor": np.nan,
+           "cv_additive": np.nan, "cv_multiplicative": np.nan}
+    if len(changed) < 3:
+        return out
+    d = changed["delta_s"].to_numpy()
+    r = changed["ratio"].to_numpy() - 1
+    out.update(per_op_s=float(np.median(d)), factor=float(np.median(r) + 1),
+               cv_additive=float(d.std() / d.mean()), cv_multiplicative=float(r.std() / r.mean()))
+    out["kind"] = "additive" if out["cv_additive"] < out["cv_multiplicative"] else "multiplicative"
+    return out
+
+
 def top_kernels(run: Run, n: int = 10) -> pd.DataFrame:
     """Kernels/ops by total time in the profiled windows.
 

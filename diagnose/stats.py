@@ -10,8 +10,9 @@ The rule (docs/diagnose.md states it for users), in the spirit of asv's
 2. the 95% bootstrap confidence interval of the relative change excludes zero; and
 3. for medians, also a two-sided Mann-Whitney U test gives p < ``Rule.alpha``.
 
-Requests of one run are not independent: the ones that arrive in a burst queue
-together. So every CI is a moving-block bootstrap over the requests in arrival order
+When both runs served the same workload (same request ids and prompt lengths) the
+requests are paired and resampled together. Requests of one run are not
+independent: the ones that arrive in a burst queue together. So every CI is a moving-block bootstrap over the requests in arrival order
 (about 40 blocks per run), which keeps that correlation; an i.i.d. bootstrap or the
 Mann-Whitney p-value alone would call run-to-run differences of the tail significant.
 No scipy.
@@ -87,13 +88,16 @@ def mann_whitney_p(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, rule: Rule = DEFAULT_RULE,
-                     higher_is_worse: bool = True) -> dict:
+                     higher_is_worse: bool = True, paired: bool = False) -> dict:
     """Compare the q-quantile of two samples (seconds), each in arrival order.
 
-    Returns baseline, candidate, delta_pct, ci_pct [lo, hi], p_value, significant,
-    worse (bool), n_baseline, n_candidate.
+    ``paired``: base[i] and cand[i] are the same request (the same workload run twice);
+    the bootstrap then resamples the pairs together, which removes the workload's own
+    spread from the CI. Returns baseline, candidate, delta_pct, ci_pct [lo, hi],
+    p_value, significant, worse (bool), n_baseline, n_candidate, paired.
     """
     base, cand = np.asarray(base, np.float64), np.asarray(cand, np.float64)
+    both = ~np.isnan(base) & ~np.isnan(cand) if paired and len(base) == len(cand) else None
     a, b = base[~np.isnan(base)], cand[~np.isnan(cand)]
     out = {"baseline": quantile(a, q), "candidate": quantile(b, q), "n_baseline": int(len(a)),
            "n_candidate": int(len(b))}
@@ -101,8 +105,14 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
         return {**out, "delta_pct": _pct(out["baseline"], out["candidate"]), "ci_pct": None, "p_value": None,
                 "significant": False, "worse": False}
     rng = np.random.default_rng(rule.seed)
-    ra = _boot_quantile(a, q, rule.num_boot, rng)
-    rb = _boot_quantile(b, q, rule.num_boot, rng)
+    if both is not None and both.sum() >= 5:
+        pa, pb = base[both], cand[both]
+        idx = block_indices(len(pa), rule.num_boot, rng)
+        ra, rb = np.quantile(pa[idx], q, axis=1), np.quantile(pb[idx], q, axis=1)
+    else:
+        both = None
+        ra = _boot_quantile(a, q, rule.num_boot, rng)
+        rb = _boot_quantile(b, q, rule.num_boot, rng)
     rel = (rb - ra) / np.where(ra > 0, ra, np.nan)
     tail = (1 - rule.confidence) / 2
     lo, hi = np.nanquantile(rel, [tail, 1 - tail])
@@ -112,7 +122,8 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
     sig = (abs(rel_delta) >= rule.min_effect[kind] and abs(delta) >= rule.min_abs_s and (lo > 0 or hi < 0)
            and (p is None or p < rule.alpha))
     return {**out, "delta_pct": 100 * rel_delta, "ci_pct": [100 * float(lo), 100 * float(hi)], "p_value": p,
-            "significant": bool(sig), "worse": bool(sig and (delta > 0) == higher_is_worse)}
+            "significant": bool(sig), "worse": bool(sig and (delta > 0) == higher_is_worse),
+            "paired": both is not None}
 
 
 def compare_rate(base_num: np.ndarray, base_den: np.ndarray, cand_num: np.ndarray, cand_den: np.ndarray,
