@@ -1,0 +1,36 @@
+"""``layerscope tui [RUN [RUN2]]`` (registered by layerscope/cli.py).
+
+With no RUN it lists the bundles under the runs folder ($LAYERSCOPE_RUNS, else ./runs).
+Exit codes: 0, or 2 when a run could not be opened (the TUI says why on screen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+RUNS_ENV = "LAYERSCOPE_RUNS"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tui", help="browse a run (overview, requests, request detail, steps) or compare two")
+    p.add_argument("runs", nargs="*", metavar="RUN", help="a run bundle, or BASELINE CANDIDATE; none: pick from "
+                                                           f"${RUNS_ENV} or ./runs")
+    p.add_argument("--runs-folder", default=None, help=f"where to list runs from (default ${RUNS_ENV} or ./runs)")
+    p.set_defaults(func=cmd_tui)
+
+
+def runs_folder(arg: str | None = None) -> str:
+    return arg or os.environ.get(RUNS_ENV) or "runs"
+
+
+def cmd_tui(args: argparse.Namespace) -> int:
+    if len(args.runs) > 2:
+        print("layerscope tui: give one run, or a baseline and a candidate", file=sys.stderr)
+        return 2
+    from layerscope.diagnose.tui.app import LayerscopeApp
+
+    app = LayerscopeApp(args.runs, runs_folder(args.runs_folder), prefetch=True)
+    code = app.run()
+    return int(code or app.return_code or 0)

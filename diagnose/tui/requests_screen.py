@@ -1,0 +1,158 @@
+"""RequestsScreen: every request of one run, sortable and filterable, slowest first.
+
+The table comes from views.request_table (computed in a worker); sorting and filtering are
+views.sort_requests / views.filter_requests, so the screen only keeps which sort and filter
+the user chose.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Header, Input, LoadingIndicator, Static
+
+from layerscope.diagnose.tui.messages import RequestsReady
+from layerscope.diagnose.tui.request_table import COLUMNS, SORTABLE, RequestTable
+from layerscope.diagnose.views import FilterError, filter_requests, sort_requests
+
+HEADERS = {c: h for c, h, _ in COLUMNS}
+
+
+class RequestsScreen(Screen):
+    BINDINGS = [
+        Binding("slash", "filter", "filter"),
+        Binding("enter", "detail", "detail"),
+        Binding("o", "sort_next", "sort column"),
+        Binding("O", "sort_reverse", "reverse"),
+        Binding("s", "steps", "steps"),
+        Binding("escape", "back", "back"),
+    ]
+
+    def __init__(self, run_index: int) -> None:
+        super().__init__(classes="run-screen")
+        self.run_index = run_index
+        self.table = None  # views.request_table of the run
+        self.shown = None  # what the table shows: sorted and filtered
+        self.sort: tuple[str, bool] = ("e2e_s", True)
+        self.query_text = ""
+        self.filter_error: str | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        yield Input(placeholder="filter: e2e>1s ttft>=200ms preempt>0 replica=1 status:reject layer:kv or text; "
+                                "enter applies, escape leaves", id="filter")
+        yield Static(id="requests-status")
+        yield LoadingIndicator(id="loading")
+        yield RequestTable(id="requests")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        view = self.app.views[self.run_index]
+        self.sub_title = f"{view.name}  ·  requests"
+        f = self.query_one("#filter", Input)
+        f.cursor_blink = self.app.cursor_blink
+        f.display = False
+        self.query_one("#requests").display = False
+        self._load(view)
+
+    @work(thread=True, exclusive=True, group="requests")
+    def _load(self, view) -> None:
+        self.post_message(RequestsReady(self.run_index, view.requests))
+
+    def on_requests_ready(self, message: RequestsReady) -> None:
+        self.table = message.table
+        self.query_one("#loading").display = False
+        table = self.query_one("#requests", RequestTable)
+        table.display = True
+        self._refresh_rows()
+        table.focus()
+
+    def _refresh_rows(self) -> None:
+        if self.table is None:
+            return
+        try:
+            rows = filter_requests(self.table, self.query_text)
+            self.filter_error = None
+        except FilterError as e:
+            self.filter_error = str(e)
+            rows = self.shown if self.shown is not None else self.table
+        else:
+            rows = sort_requests(rows, *self.sort)
+        self.shown = rows
+        self.query_one("#requests", RequestTable).show(rows, self.sort)
+        self._status()
+
+    def _status(self) -> None:
+        col, desc = self.sort
+        text = (f"{len(self.shown):,} of {len(self.table):,} requests  ·  sorted by {HEADERS[col]} "
+                f"{'▼ (largest first)' if desc else '▲ (smallest first)'}")
+        if self.query_text:
+            text += f"  ·  filter: {self.query_text}"
+        status = Text(text)  # no markup: the filter is the user's text
+        if self.filter_error:
+            status.append("  ·  ")
+            status.append(f"filter error: {self.filter_error}", style="bold red")
+        self.query_one("#requests-status", Static).update(status)
+
+    # ---- actions -----------------------------------------------------------------------------
+    def action_filter(self) -> None:
+        f = self.query_one("#filter", Input)
+        f.display = True
+        f.focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.query_text = event.value.strip()
+        self._refresh_rows()
+        if not self.filter_error:
+            if not self.query_text:
+                event.input.display = False
+            self.query_one("#requests", RequestTable).focus()
+
+    def action_detail(self) -> None:
+        table = self.query_one("#requests", RequestTable)
+        request_id = table.highlighted_request
+        if request_id is None:
+            return
+        from layerscope.diagnose.tui.detail_screen import DetailScreen
+
+        order = self.shown["request_id"].tolist()
+        self.app.push_screen(DetailScreen(self.run_index, request_id, order))
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self.action_detail()
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        event.stop()
+        col = event.column_key.value
+        self._sort_by(col, not self.sort[1] if col == self.sort[0] else True)
+
+    def action_sort_next(self) -> None:
+        i = SORTABLE.index(self.sort[0])
+        self._sort_by(SORTABLE[(i + 1) % len(SORTABLE)], True)
+
+    def action_sort_reverse(self) -> None:
+        self._sort_by(self.sort[0], not self.sort[1])
+
+    def _sort_by(self, col: str, descending: bool) -> None:
+        self.sort = (col, descending)
+        self._refresh_rows()
+
+    def action_steps(self) -> None:
+        from layerscope.diagnose.tui.steps_screen import StepsScreen
+
+        self.app.push_screen(StepsScreen(self.run_index))
+
+    def action_back(self) -> None:
+        f = self.query_one("#filter", Input)
+        if f.has_focus:
+            if not self.query_text:
+                f.value = ""
+                f.display = False
+            self.query_one("#requests", RequestTable).focus()
+            return
+        self.app.pop_screen()
