@@ -58,6 +58,57 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int) -> tu
     return gen_s, cpu_s, build_s, steps
 
 
+_HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", "on_collectives",
+          "on_request_finished")
+
+
+def _hook_time(llm, prompts, params, interval: int) -> tuple[dict[str, float], float, int]:
+    """One default-level run with every recorder hook timed: (CPU seconds per hook, generate CPU seconds, steps).
+
+    A direct measure of what the step loop pays the recorder, free of run-to-run noise
+    (it leaves out the engine-side cost of building StepRecords and the sampled layer timings)."""
+    from layerscope.probes.recorder import ProbeRecorder
+
+    rec = ProbeRecorder("default", model_name="bench", layer_timing_interval=interval)
+    spent = dict.fromkeys(_HOOKS, 0)
+    calls = dict.fromkeys(_HOOKS, 0)
+
+    def wrap(fn, name):
+        def timed(*a, **kw):
+            t = time.thread_time_ns()  # CPU time: the OS descheduling us mid-hook is not the hook's cost
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] += time.thread_time_ns() - t
+                calls[name] += 1
+
+        return timed
+
+    # what the timing itself costs per call (two clock reads), subtracted below
+    probe = wrap(lambda: None, "on_collectives")
+    for _ in range(2000):
+        probe()
+    per_call = spent["on_collectives"] / calls["on_collectives"]
+    spent["on_collectives"] = calls["on_collectives"] = 0
+    for name in _HOOKS:
+        setattr(rec, name, wrap(getattr(rec, name), name))
+    engine = llm.engine
+    engine.recorder = rec
+    rec.configure(llm.config, engine.resolved)
+    rec.start()
+    s0 = engine.scheduler.step_id
+    t0 = time.thread_time()
+    llm.generate(prompts, params)
+    gen_s = time.thread_time() - t0
+    rec.stop()
+    rec.shutdown()
+    from layerscope.engine.recorder import Recorder
+
+    engine.recorder = Recorder()
+    return ({k: max(v - calls[k] * per_call, 0) / 1e9 for k, v in spent.items()}, gen_s - sum(calls.values()) * per_call / 1e9,
+            engine.scheduler.step_id - s0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: create --preset in a temp dir)")
@@ -121,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         r_cpu = statistics.median(t / o for t, o in zip(cpu[level], cpu["off"]))
         print(f"{level:<8} {statistics.median(wall[level]):15.1f} {(1 - r_wall) * 100:7.2f}% "
               f"{statistics.median(cpu[level]):19.1f} {(1 - r_cpu) * 100:7.2f}% {statistics.median(build[level]):8.3f}")
+    hooks, gen_s, steps = _hook_time(llm, prompts, params, args.layer_timing_interval)
+    total = sum(hooks.values())
+    print(f"\ndefault, hooks timed (thread CPU time): {total * 1e6 / steps:.1f} us per step in recorder hooks = "
+          f"{total / gen_s * 100:.2f}% of generate CPU time ({gen_s * 1e3 / steps:.2f} ms per step); per step: "
+          + ", ".join(f"{k} {v * 1e6 / steps:.1f} us" for k, v in hooks.items()))
     llm.shutdown()
     return 0
 

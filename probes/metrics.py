@@ -13,6 +13,7 @@ ITL, E2E).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -178,6 +179,25 @@ class MetricSet:
 
     def child(self, name: str, *extra: str):
         return self.collectors[name].labels(self.model_name, self.replica, *extra)
+
+
+def observe_many(child, values: list[float]) -> None:
+    """``child.observe(v)`` for every value, with one locked update per bucket touched instead of two
+    per value. Uses prometheus_client's histogram internals; falls back to ``observe`` without them."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(buckets) != len(bounds):
+        for v in values:
+            child.observe(v)
+        return
+    counts: dict[int, int] = {}
+    for v in values:
+        i = bisect_left(bounds, v)  # first bound >= v: the bucket observe() picks
+        counts[i] = counts.get(i, 0) + 1
+    total.inc(sum(values))
+    for i, n in counts.items():
+        buckets[i].inc(n)
 
 
 def create_metrics(registry: CollectorRegistry | None = None, model_name: str = "",

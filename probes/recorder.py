@@ -6,9 +6,11 @@ Prometheus metrics and (at write time) one trace per request; ``full`` adds prof
 windows (``profiler.py``) and a py-spy capture of the process (``pyspy.py``).
 
 The step loop only appends: the StepRecord object itself, the request's events, and
-two step indices per request per step. Rows, spans and Arrow tables are built in
-``tables()``, off the hot path. Prometheus is updated per step with a handful of
-pre-bound children and per request at finish.
+one or two step indices per request per step. Rows, spans and Arrow tables are built
+in ``tables()``, off the hot path. Prometheus gets the steps in batches (every
+``metrics_every_steps`` steps, when the engine goes idle, and before any exposition:
+touching a dozen cold histograms once per step cost more than the rest of the
+recorder), and each request at its finish.
 
 Serving across processes: the gateway process runs a recorder with
 ``replica="gateway"`` and calls ``gateway_begin``/``set_request_timestamps``/
@@ -31,12 +33,13 @@ import pyarrow as pa
 
 from layerscope.engine.recorder import _NULL_CONTEXT, CollectiveRecord, Recorder, StepRecord
 from layerscope.probes import schema
-from layerscope.probes.metrics import GATEWAY_REPLICA, STEP_PHASES, MetricSet
+from layerscope.probes.metrics import GATEWAY_REPLICA, STEP_PHASES, MetricSet, observe_many
 from layerscope.probes.requests import OUTER_FIELDS, Phase, _events, engine_row, finalize_row, gateway_phases
 from layerscope.probes.tables import collective_ns_by_step, collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
 LEVELS = ("off", "default", "full")
+_PHASE_NS = tuple(f"{p}_ns" for p in STEP_PHASES)  # StepRecord fields, in STEP_PHASES order
 
 
 class _Req:
@@ -73,6 +76,7 @@ class ProbeRecorder(Recorder):
         profile_max_windows: int = 4,
         pyspy: bool = True,
         pyspy_rate: int = 100,
+        metrics_every_steps: int = 8,
     ):
         if level not in LEVELS:
             raise ValueError(f"probes level must be one of {', '.join(LEVELS)}; got {level!r}")
@@ -87,6 +91,11 @@ class ProbeRecorder(Recorder):
         self.start_ns: int | None = None
         self.end_ns: int | None = None
         self._steps: list[StepRecord] = []
+        self.metrics_every_steps = max(1, metrics_every_steps)
+        self._flushed = 0  # steps already observed in Prometheus
+        self._layers_flushed = 0
+        self._gen_pending = 0
+        self._finished_pending: list[_Req] = []
         self._layer_times: list[tuple[int, list[tuple[str, int]]]] = []
         self._collectives: list[CollectiveRecord] = []
         self._live: dict[str, _Req] = {}
@@ -155,6 +164,7 @@ class ProbeRecorder(Recorder):
     def stop(self) -> None:
         """Mark the run's end; close an open profiler window, stop py-spy (writes its files)."""
         self.end_ns = time.monotonic_ns()
+        self.flush_metrics()
         if self.profiler is not None:
             self.profiler.close()
         if self.pyspy is not None:
@@ -202,32 +212,52 @@ class ProbeRecorder(Recorder):
                 st.num_out = n
                 st.sampled_idx.append(idx)
                 sampled += 1
-        ph = self._m_phase
-        ph[0].observe(step.schedule_ns * 1e-9)
-        ph[1].observe(step.prepare_ns * 1e-9)
-        ph[2].observe(step.forward_ns * 1e-9)
-        ph[3].observe(step.sample_ns * 1e-9)
-        ph[4].observe(step.output_ns * 1e-9)
-        self._m_batch.observe(step.num_prefill_tokens + step.num_decode_tokens)
-        self._m_running.set(step.num_running)
-        self._m_waiting.set(step.num_waiting)
-        total = step.num_kv_blocks_total
-        self._m_kv.set((total - step.num_kv_blocks_free) / total if total else 0.0)
-        if step.num_prefix_queries:
-            self._m_queries.inc(step.num_prefix_queries)
-            self._m_hits.inc(step.num_prefix_hits)
-        if step.num_preemptions:
-            self._m_preempt.inc(step.num_preemptions)
-        if sampled:
-            self._m_gen.inc(sampled)
+        self._gen_pending += sampled
         if layer_times:
             self._layer_times.append((step.step_id, layer_times))
-            cache = self._m_layer
-            for name, ns in layer_times:
+        if len(self._steps) - self._flushed >= self.metrics_every_steps or not (step.num_running or step.num_waiting):
+            self.flush_metrics()
+
+    def flush_metrics(self) -> None:
+        """Put the steps recorded since the last flush into Prometheus (the step loop calls this every
+        ``metrics_every_steps`` steps and when the engine goes idle; ``metrics_text()`` always does)."""
+        if not self.enabled:
+            return
+        finished, self._finished_pending = self._finished_pending, []
+        for st in finished:
+            self._observe_request(st)
+        if self._flushed == len(self._steps):
+            return
+        steps = self._steps[self._flushed:]
+        self._flushed += len(steps)
+        ph = self._m_phase
+        for child, attr in zip(ph, _PHASE_NS):
+            observe_many(child, [getattr(st, attr) * 1e-9 for st in steps])
+        observe_many(self._m_batch, [st.num_prefill_tokens + st.num_decode_tokens for st in steps])
+        queries = sum(st.num_prefix_queries for st in steps)
+        hits = sum(st.num_prefix_hits for st in steps)
+        preempt = sum(st.num_preemptions for st in steps)
+        last = steps[-1]
+        self._m_running.set(last.num_running)
+        self._m_waiting.set(last.num_waiting)
+        total = last.num_kv_blocks_total
+        self._m_kv.set((total - last.num_kv_blocks_free) / total if total else 0.0)
+        if queries:
+            self._m_queries.inc(queries)
+            self._m_hits.inc(hits)
+        if preempt:
+            self._m_preempt.inc(preempt)
+        if self._gen_pending:
+            self._m_gen.inc(self._gen_pending)
+            self._gen_pending = 0
+        cache = self._m_layer
+        for _, rows in self._layer_times[self._layers_flushed:]:
+            for name, ns in rows:
                 child = cache.get(name)
                 if child is None:
                     child = cache[name] = self.metrics.child("layerscope_layer_forward_seconds", name)
                 child.observe(ns * 1e-9)
+        self._layers_flushed = len(self._layer_times)
 
     def on_collectives(self, records: list[CollectiveRecord]) -> None:
         if not self.enabled:
@@ -254,7 +284,7 @@ class ProbeRecorder(Recorder):
         }
         st.req = None
         self._done.append(st)
-        self._observe_request(st)
+        self._finished_pending.append(st)  # into Prometheus at the next flush
         if self.tracer.otlp:  # a live collector wants spans now, not at bundle write
             self._build(st)
 
@@ -283,13 +313,10 @@ class ProbeRecorder(Recorder):
         n = info["num_output_tokens"]
         if n >= 2:
             m.child("layerscope_time_per_output_token_seconds").observe((e2e - ttft) / (n - 1))
-            itl = m.child("layerscope_inter_token_latency_seconds")
             steps = self._steps
-            prev = first
-            for i in st.sampled_idx[1:]:
-                t = steps[i].end_ns - steps[i].output_ns
-                itl.observe(max(t - prev, 0) * 1e-9)
-                prev = t
+            times = [first] + [steps[i].end_ns - steps[i].output_ns for i in st.sampled_idx[1:]]
+            observe_many(m.child("layerscope_inter_token_latency_seconds"),
+                         [max(b - a, 0) * 1e-9 for a, b in zip(times, times[1:])])
 
     # ---- gateway / client side -------------------------------------------------------------
     def set_traceparent(self, request_id: str, traceparent: str) -> None:
@@ -409,6 +436,7 @@ class ProbeRecorder(Recorder):
             return ""
         from prometheus_client import generate_latest
 
+        self.flush_metrics()
         return generate_latest(self.metrics.registry).decode()
 
     def trace_files(self) -> list[Path]:

@@ -79,3 +79,20 @@ def test_exposition_holds_every_metric_with_base_labels():
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             assert s.labels.get("model_name") == "m" and s.labels.get("replica") == "3", s
+
+
+def test_observe_many_equals_observe():
+    from layerscope.probes.metrics import observe_many
+
+    values = [0.0, 1e-5, 0.001, 0.0015, 0.0025, 0.3, 7.0, 1e6, 0.001]
+    texts = []
+    for bulk in (False, True):
+        reg = CollectorRegistry()
+        child = create_metrics(reg, "m", 0).child("layerscope_inter_token_latency_seconds")
+        if bulk:
+            observe_many(child, values)
+        else:
+            for v in values:
+                child.observe(v)
+        texts.append("\n".join(l for l in generate_latest(reg).decode().splitlines() if "_created" not in l))
+    assert texts[0] == texts[1]
