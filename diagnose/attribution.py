@@ -118,6 +118,7 @@ class Causes:
         self.workload_changed = workload_changed
         self.hardware_changed = hardware_changed
         self.phase = self._phase_deltas()
+        self.uniform = self._uniform_factor()
         base_step = self.ia.get("step_s_mean") or math.nan
         up = sum(max(v, 0.0) for v in self.phase.values())
         self.slowdown = up / base_step if base_step and base_step > 0 else 0.0
@@ -142,6 +143,22 @@ class Causes:
             "engine.output": _z(ib.get("output_s_mean", 0) - ia.get("output_s_mean", 0)),
         }
 
+    def _uniform_factor(self) -> dict[str, float] | None:
+        """Host, model and output time per step all scaled by about the same factor (and no
+        config change): the machine was slower or busier. {phase: ratio} or None."""
+        ia, ib = self.ia, self.ib
+        host_a = float(self.a.steps["host_s"].mean()) if len(self.a.steps) else math.nan
+        fwd_a = ia.get("forward_s_mean", math.nan) - _z(ia.get("collective_s_mean"))
+        r = {"host": (host_a + self.phase["engine.schedule"]) / host_a if host_a > 0 else math.nan,
+             "model": (fwd_a + self.phase["model.forward"]) / fwd_a if fwd_a > 0 else math.nan,
+             "output": ib.get("output_s_mean", math.nan) / ia["output_s_mean"]
+             if ia.get("output_s_mean") else math.nan}
+        vals = [v for v in r.values() if not math.isnan(v)]
+        if len(vals) < 3 or self.keys or self.workload_changed:
+            return None
+        up = all(v >= 1.25 for v in vals) or all(v <= 0.8 for v in vals)
+        return r if up and max(vals) / min(vals) <= 1.8 else None
+
     @property
     def router_skewed(self) -> bool:
         ia, ib = self.ia, self.ib
@@ -155,6 +172,13 @@ class Causes:
         if self.router_skewed and layer not in ("gateway.queue", "gateway.route", "parallel.collective"):
             return [Part("gateway.route", delta_s, f"the router overloads one replica: its requests wait and its "
                          f"batches grow ({layer})", self._router_evidence())]
+        if self.uniform and layer in ("engine.queue", "engine.schedule", "model.forward", "engine.output",
+                                      "parallel.collective", "engine.kv", "idle"):
+            u = self.uniform
+            return [Part("hardware", delta_s, "every phase of every step got slower by about the same factor with no "
+                         "config change: the machine was slower or busier (or a new version is slower everywhere)",
+                         [f"per step at equal batch size: host x{u['host']:.2f}, model x{u['model']:.2f}, "
+                          f"output x{u['output']:.2f}", f"time measured in {layer}"])]
         if layer == "engine.queue" or (layer == "idle" and not self.workload_changed):
             return self._queue(delta_s, layer)
         if layer == "idle":

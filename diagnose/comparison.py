@@ -158,17 +158,22 @@ def compare(baseline: Run | str | RunAnalysis, candidate: Run | str | RunAnalysi
 
 def _pairs(a: pd.DataFrame, b: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
     """Row positions of the same requests in both runs (base arrival order), when both served
-    the same workload: >= 90% of request ids shared with equal prompt and output lengths."""
-    ia = pd.Index(a["request_id"])
-    pos_b = pd.Index(b["request_id"]).get_indexer(ia)
+    the same workload: >= 90% of request ids shared with equal prompt and output lengths, or
+    (ids drawn at random by a server) the same number of requests whose prompt and output
+    lengths match one for one in arrival order."""
+    def same_lengths(pa: np.ndarray, pb: np.ndarray) -> bool:
+        return all(np.array_equal(a[c].to_numpy()[pa], b[c].to_numpy()[pb])
+                   for c in ("num_prompt_tokens", "num_output_tokens"))
+
+    pos_b = pd.Index(b["request_id"]).get_indexer(pd.Index(a["request_id"]))
     ok = pos_b >= 0
-    if ok.sum() < 0.9 * max(len(a), len(b)) or ok.sum() < 5:
-        return None
-    pa, pb = np.flatnonzero(ok), pos_b[ok]
-    for c in ("num_prompt_tokens", "num_output_tokens"):
-        if not np.array_equal(a[c].to_numpy()[pa], b[c].to_numpy()[pb]):
-            return None
-    return pa, pb
+    if ok.sum() >= 0.9 * max(len(a), len(b)) and ok.sum() >= 5:
+        pa, pb = np.flatnonzero(ok), pos_b[ok]
+        return (pa, pb) if same_lengths(pa, pb) else None
+    if len(a) == len(b) and len(a) >= 5:
+        idx = np.arange(len(a))
+        return (idx, idx) if same_lengths(idx, idx) else None
+    return None
 
 
 def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
