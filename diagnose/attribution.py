@@ -125,8 +125,11 @@ class Causes:
 
     # ---- per-step service time at equal batch composition ----
     def _phase_deltas(self) -> dict[str, float]:
+        """Per-step change of each phase at equal batch size: the candidate's mean minus what the
+        baseline's least-squares fit (on batch tokens for forward, on sequences for host and
+        output time) predicts for the candidate's batches."""
         ia, ib = self.ia, self.ib
-        sb = self.b.run.steps
+        sa, sb = self.a.run.steps, self.b.run.steps
         fit = self.a.forward_fit
         tokens_b = float(sb["num_batched_tokens"].mean()) if len(sb) else math.nan
         fwd_b = ib.get("forward_s_mean", math.nan) - _z(ib.get("collective_s_mean"))
@@ -134,25 +137,30 @@ class Causes:
             expected = fit["intercept_s"] + fit["per_token_s"] * tokens_b
         else:
             expected = ia.get("forward_s_mean", math.nan) - _z(ia.get("collective_s_mean"))
-        host_a = float(self.a.steps["host_s"].mean()) if len(self.a.steps) else math.nan
+
+        def seqs(s):
+            return (s["num_prefill_seqs"].fillna(0) + s["num_decode_seqs"].fillna(0)).to_numpy(np.float64)
+
+        seqs_b = float(seqs(sb).mean()) if len(sb) else math.nan
+        host_exp = _fit_at(seqs(sa), self.a.steps["host_s"].to_numpy(), seqs_b)
+        out_exp = _fit_at(seqs(sa), sa["output_s"].to_numpy(np.float64), seqs_b)
         host_b = float(self.b.steps["host_s"].mean()) if len(self.b.steps) else math.nan
+        self.expected = {"host": host_exp, "model": expected, "output": out_exp}
         return {
-            "engine.schedule": _z(host_b - host_a),
+            "engine.schedule": _z(host_b - host_exp),
             "model.forward": _z(fwd_b - expected) + _z(ib.get("sample_s_mean", 0) - ia.get("sample_s_mean", 0)),
             "parallel.collective": _z(_z(ib.get("collective_s_mean")) - _z(ia.get("collective_s_mean"))),
-            "engine.output": _z(ib.get("output_s_mean", 0) - ia.get("output_s_mean", 0)),
+            "engine.output": _z(ib.get("output_s_mean", 0) - out_exp),
         }
 
     def _uniform_factor(self) -> dict[str, float] | None:
-        """Host, model and output time per step all scaled by about the same factor (and no
-        config change): the machine was slower or busier. {phase: ratio} or None."""
-        ia, ib = self.ia, self.ib
-        host_a = float(self.a.steps["host_s"].mean()) if len(self.a.steps) else math.nan
-        fwd_a = ia.get("forward_s_mean", math.nan) - _z(ia.get("collective_s_mean"))
-        r = {"host": (host_a + self.phase["engine.schedule"]) / host_a if host_a > 0 else math.nan,
-             "model": (fwd_a + self.phase["model.forward"]) / fwd_a if fwd_a > 0 else math.nan,
-             "output": ib.get("output_s_mean", math.nan) / ia["output_s_mean"]
-             if ia.get("output_s_mean") else math.nan}
+        """Host, model and output time per step (at equal batch size) all scaled by about the
+        same factor, with no config or workload change: the machine was slower or busier.
+        {phase: ratio} or None."""
+        e = self.expected
+        r = {"host": (e["host"] + self.phase["engine.schedule"]) / e["host"] if e["host"] > 0 else math.nan,
+             "model": (e["model"] + self.phase["model.forward"]) / e["model"] if e["model"] > 0 else math.nan,
+             "output": (e["output"] + self.phase["engine.output"]) / e["output"] if e["output"] > 0 else math.nan}
         vals = [v for v in r.values() if not math.isnan(v)]
         if len(vals) < 3 or self.keys or self.workload_changed:
             return None
@@ -422,6 +430,18 @@ class Causes:
     def _req_p50(self, layer: str) -> str:
         c = col("ttft", layer)
         return f"p50 {ms(float(self.a.ok[c].median()))} -> {ms(float(self.b.ok[c].median()))} per request"
+
+
+def _fit_at(x: np.ndarray, y: np.ndarray, at: float) -> float:
+    """Least-squares line y = a + b x evaluated at ``at`` (the mean of y when x does not vary)."""
+    ok = ~np.isnan(x) & ~np.isnan(y)
+    x, y = x[ok], y[ok]
+    if not len(y):
+        return math.nan
+    if len(y) < 3 or np.ptp(x) == 0 or math.isnan(at):
+        return float(y.mean())
+    b, a = np.polyfit(x, y, 1)
+    return float(max(a + b * at, 0.0))
 
 
 def _z(x) -> float:

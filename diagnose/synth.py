@@ -89,6 +89,7 @@ class SynthSpec:
     # noise
     noise: float = 0.05  # lognormal sigma per phase and step
     run_noise: float = 0.0  # lognormal sigma of one factor on every duration (a busier machine)
+    machine_slowdown: float = 1.0  # knob: hardware (every step phase this many times slower)
     # probes
     layer_timing_interval: int = 16
     profile_windows: int = 2  # kernel profiler windows of 4 steps each (0: none)
@@ -100,6 +101,7 @@ def generate(spec: SynthSpec, out: str | Path, run_id: str | None = None) -> Pat
     reqs = _make_requests(spec, np.random.default_rng(spec.seed))
     rng = np.random.default_rng(spec.seed if spec.noise_seed is None else spec.noise_seed + 7919)
     run_factor = float(np.exp(rng.normal(0, spec.run_noise))) if spec.run_noise else 1.0
+    run_factor *= spec.machine_slowdown
     steps: list[dict[str, Any]] = []
     layer_rows: list[tuple] = []
     kernel_rows: list[tuple] = []

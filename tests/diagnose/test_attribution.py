@@ -14,6 +14,7 @@ CASES = {
     "kernel_slowdown": ({}, dict(kernel_slowdown=1.8), "kernel.compute"),
     "launch_gap": ({}, dict(launch_gap_s=0.00005), "kernel.launch_gap"),
     "output_delay": ({}, dict(output_delay_s=0.002), "engine.output"),
+    "machine_slowdown": ({}, dict(machine_slowdown=1.6), "hardware"),
     "collective_delay": (dict(tp_size=2), dict(tp_size=2, collective_delay_s=0.0003), "parallel.collective"),
     "router_skew": (dict(replicas=2), dict(replicas=2, router_skew=0.6), "gateway.route"),
     "kv_blocks": ({}, dict(num_kv_blocks=120), "engine.kv"),
