@@ -2,7 +2,8 @@
 
 Each row is given its figures ready-made (views / report); the widget only lays them out
 to its width: label, bar, duration, share, mark. A row with ``start`` > 0 begins that far
-into the bar's width, which turns a list of phases into a waterfall.
+into the bar's width, which turns a list of phases into a waterfall; ``relative`` bars are
+drawn to the largest share (the printed share stays the figure given).
 """
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ class Bars(Widget):
     Bars > .bars--empty { color: $text-muted; }
     """
 
-    def __init__(self, rows: list[BarRow] | None = None, *, empty: str = "nothing recorded", **kw) -> None:
+    def __init__(self, rows: list[BarRow] | None = None, *, empty: str = "nothing recorded",
+                 relative: bool = False, **kw) -> None:
+        """``relative``: the longest bar fills the width (shares side by side); else a share of 1
+        fills it (a waterfall, whose bars must line up in time)."""
         super().__init__(**kw)
         self._rows = list(rows or [])
         self._empty = empty
+        self._relative = relative
 
     @property
     def rows(self) -> list[BarRow]:
@@ -60,7 +65,9 @@ class Bars(Widget):
         dominant_style = self.get_component_rich_style("bars--dominant")
         mark_style = self.get_component_rich_style("bars--mark")
         width = self.content_size.width or 80
-        label_w = min(max(len(r.label) for r in self._rows), max(width // 3, 12))
+        label_w = min(max(len(r.label) for r in self._rows), max(width // 2 - 8, 12))
+        top = max((r.share for r in self._rows if r.share == r.share), default=0.0)
+        scale = 1.0 / top if self._relative and top > 0 else 1.0
         mark_w = max(len(r.mark) for r in self._rows)
         bar_w = max(width - label_w - 10 - 6 - (mark_w + 1 if mark_w else 0) - 3, 4)
         out = Text(no_wrap=True, overflow="ellipsis")
@@ -68,7 +75,8 @@ class Bars(Widget):
             style = "bold" if r.mark else ""
             label = r.label if len(r.label) <= label_w else r.label[: label_w - 1] + "…"
             out.append(label.ljust(label_w) + " ", style=style)
-            out.append(block_bar(r.share, bar_w, r.start), style=dominant_style if r.mark else bar_style)
+            out.append(block_bar(r.share * scale, bar_w, r.start * scale),
+                       style=dominant_style if r.mark else bar_style)
             out.append(f" {fmt_s(r.duration_s) if r.duration_s is not None else '':>9}", style=style)
             share = r.share_text if r.share_text is not None else fmt_share(r.share)
             out.append(f" {share:>5}", style=style)

@@ -46,10 +46,10 @@ class DetailScreen(Screen):
         with VerticalScroll(id="detail"):
             yield Static(id="detail-title")
             yield Bars(id="waterfall")
-            yield Bars(id="by-layer")
+            yield Bars(id="by-layer", relative=True)
             yield Static(id="events")
             yield DataTable(id="steps", cursor_type="row", zebra_stripes=True)
-            yield Bars(id="model-rows", empty="no layer timings on its steps (layer timing samples every "
+            yield Bars(id="model-rows", relative=True, empty="no layer timings on its steps (layer timing samples every "
                                                  "layer_timing_interval steps)")
             yield Static(id="kernels")
         yield Footer()

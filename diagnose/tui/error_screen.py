@@ -37,5 +37,8 @@ class ErrorScreen(Screen):
         t.append("q: quit" + ("   escape: back" if self.app.can_go_back(self) else ""), style="dim")
         self.query_one("#error-text", Static).update(t)
 
+    def check_action(self, action: str, parameters) -> bool | None:
+        return self.app.can_go_back(self) if action == "back" else True
+
     def action_back(self) -> None:
         self.app.action_back()

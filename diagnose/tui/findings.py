@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
@@ -19,19 +20,22 @@ class Findings(Static):
         self.update(findings_text(findings, top, evidence))
 
 
-def findings_text(findings: list[dict[str, Any]], top: int = 5, evidence: int = 3) -> Text:
+def findings_text(findings: list[dict[str, Any]], top: int = 5, evidence: int = 3) -> Text | Table:
+    """One row per finding: a bullet, then its message, layer, severity and evidence (wrapped
+    under the message, not under the bullet)."""
     if not findings:
         return Text("no bottleneck pattern detected", style="dim")
-    t = Text()
-    for i, f in enumerate(findings[:top]):
-        if i:
-            t.append("\n")
-        t.append("● ", style="bold yellow")
-        t.append(f["message"], style="bold")
-        t.append(f"  [{f['layer']}]", style="cyan")
-        t.append(f"  {fmt_share(f['severity'])}", style="dim")
+    grid = Table.grid(padding=0, expand=True)
+    grid.add_column(width=2, style="bold yellow")
+    grid.add_column(ratio=1)
+    for f in findings[:top]:
+        body = Text()
+        body.append(f["message"], style="bold")
+        body.append(f"  [{f['layer']}]", style="cyan")
+        body.append(f"  {fmt_share(f['severity'])}", style="dim")
         for e in f["evidence"][:evidence]:
-            t.append(f"\n    {e}", style="dim")
+            body.append(f"\n· {e}", style="dim")
+        grid.add_row("●", body)
     if len(findings) > top:
-        t.append(f"\n… {len(findings) - top} more", style="dim")
-    return t
+        grid.add_row("", Text(f"… {len(findings) - top} more", style="dim"))
+    return grid

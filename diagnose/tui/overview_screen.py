@@ -11,6 +11,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, LoadingIndicator
 
 from layerscope.diagnose.tui.bars import BarRow, Bars
+from layerscope.diagnose.tui.drill_table import DrillTable
 from layerscope.diagnose.tui.findings import Findings
 from layerscope.diagnose.tui.format import fmt_pct, fmt_s
 from layerscope.diagnose.tui.headline import Headline
@@ -36,9 +37,9 @@ class OverviewScreen(Screen):
         with VerticalScroll(id="overview"):
             yield Headline(id="headline")
             with Horizontal(id="overview-middle"):
-                yield Bars(id="shares")
+                yield Bars(id="shares", relative=True)
                 yield Findings(id="findings")
-            yield DataTable(id="slowest", cursor_type="row", zebra_stripes=True)
+            yield DrillTable(id="slowest")
         yield Footer()
 
     def on_mount(self) -> None:

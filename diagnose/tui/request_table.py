@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.text import Text
-from textual.widgets import DataTable
+from textual.binding import Binding
 
+from layerscope.diagnose.tui.drill_table import DrillTable
 from layerscope.diagnose.tui.format import fmt_count, fmt_s, is_missing
 
 if TYPE_CHECKING:
@@ -27,13 +28,14 @@ COLUMNS = (
 SORTABLE = tuple(c for c, _, _ in COLUMNS)
 
 
-class RequestTable(DataTable):
+class RequestTable(DrillTable):
+    BINDINGS = [Binding("enter", "select_cursor", "detail")]
     DEFAULT_CSS = """
     RequestTable { height: 1fr; }
     """
 
     def __init__(self, columns: tuple[str, ...] = SORTABLE, **kw) -> None:
-        super().__init__(cursor_type="row", zebra_stripes=True, **kw)
+        super().__init__(**kw)
         self._sort: tuple[str, bool] = ("e2e_s", True)
         self._columns = tuple(c for c in COLUMNS if c[0] in columns)
 

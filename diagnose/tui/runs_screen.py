@@ -12,6 +12,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 
+from layerscope.diagnose.tui.drill_table import DrillTable
 from layerscope.diagnose.tui.format import fmt_count
 from layerscope.diagnose.views import find_runs
 
@@ -32,7 +33,7 @@ class RunsScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Header()
         yield Static(id="runs-status")
-        yield DataTable(id="runs", cursor_type="row", zebra_stripes=True)
+        yield DrillTable(id="runs")
         yield Footer()
 
     def on_mount(self) -> None:
