@@ -106,7 +106,7 @@ def kernel_op_deltas(base: Run, cand: Run) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     a = base.kernels.groupby("name")["duration_s"].agg(["count", "median"])
     b = cand.kernels.groupby("name")["duration_s"].agg(["count", "median"])
-    df = a.join(b, how="inner", lsuffix="_b", rsuffix="_c").reset_index()  # noqa: pandas keeps the order
+    df = a.merge(b, left_index=True, right_index=True, suffixes=("_b", "_c")).reset_index()
     df.columns = ["name", "count_baseline", "baseline_s", "count_candidate", "candidate_s"]
     df["delta_s"] = df["candidate_s"] - df["baseline_s"]
     df["ratio"] = df["candidate_s"] / df["baseline_s"].where(df["baseline_s"] > 0)
