@@ -25,7 +25,9 @@ work on the same per-request state; split, they would share private structures.)
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ from layerscope.engine.recorder import _NULL_CONTEXT, CollectiveRecord, Recorder
 from layerscope.probes import schema
 from layerscope.probes.metrics import GATEWAY_REPLICA, STEP_PHASES, MetricSet, observe_many
 from layerscope.probes.requests import OUTER_FIELDS, Phase, _events, engine_row, finalize_row, gateway_phases
-from layerscope.probes.tables import collective_ns_by_step, collectives_table, layers_table, rows_table, steps_table
+from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
 LEVELS = ("off", "default", "full")
@@ -94,8 +96,10 @@ class ProbeRecorder(Recorder):
         self.metrics_every_steps = max(1, metrics_every_steps)
         self._flushed = 0  # steps already observed in Prometheus
         self._layers_flushed = 0
-        self._gen_pending = 0
-        self._finished_pending: list[_Req] = []
+        self._sampled: list[int] = []  # tokens sampled per step, beside _steps
+        self._finished_pending: deque[_Req] = deque()  # appended by the engine, drained by flushes
+        self._flush_lock = threading.Lock()  # flushes come from the step loop and from scrapes
+        self._coll_ns: dict[int, int] = {}  # rank-0 collective time per step id
         self._layer_times: list[tuple[int, list[tuple[str, int]]]] = []
         self._collectives: list[CollectiveRecord] = []
         self._live: dict[str, _Req] = {}
@@ -111,6 +115,11 @@ class ProbeRecorder(Recorder):
             self.metrics = None
             self.tracer = None
             return
+        if registry is None:
+            from prometheus_client import CollectorRegistry
+
+            registry = CollectorRegistry()
+        registry.register(_FlushOnCollect(self))  # first: a scrape sees every recorded step
         self.metrics = MetricSet(registry, model_name, replica)
         self.tracer = RequestTracer("layerscope", replica, otlp)
         self._bind_metrics()
@@ -212,7 +221,7 @@ class ProbeRecorder(Recorder):
                 st.num_out = n
                 st.sampled_idx.append(idx)
                 sampled += 1
-        self._gen_pending += sampled
+        self._sampled.append(sampled)
         if layer_times:
             self._layer_times.append((step.step_id, layer_times))
         if len(self._steps) - self._flushed >= self.metrics_every_steps or not (step.num_running or step.num_waiting):
@@ -223,13 +232,19 @@ class ProbeRecorder(Recorder):
         ``metrics_every_steps`` steps and when the engine goes idle; ``metrics_text()`` always does)."""
         if not self.enabled:
             return
-        finished, self._finished_pending = self._finished_pending, []
-        for st in finished:
-            self._observe_request(st)
-        if self._flushed == len(self._steps):
+        with self._flush_lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        pending = self._finished_pending
+        while pending:
+            self._observe_request(pending.popleft())
+        end = len(self._steps)
+        if self._flushed == end:
             return
-        steps = self._steps[self._flushed:]
-        self._flushed += len(steps)
+        steps = self._steps[self._flushed:end]
+        sampled = sum(self._sampled[self._flushed:end])
+        self._flushed = end
         ph = self._m_phase
         for child, attr in zip(ph, _PHASE_NS):
             observe_many(child, [getattr(st, attr) * 1e-9 for st in steps])
@@ -247,9 +262,8 @@ class ProbeRecorder(Recorder):
             self._m_hits.inc(hits)
         if preempt:
             self._m_preempt.inc(preempt)
-        if self._gen_pending:
-            self._m_gen.inc(self._gen_pending)
-            self._gen_pending = 0
+        if sampled:
+            self._m_gen.inc(sampled)
         cache = self._m_layer
         for _, rows in self._layer_times[self._layers_flushed:]:
             for name, ns in rows:
@@ -263,6 +277,10 @@ class ProbeRecorder(Recorder):
         if not self.enabled:
             return
         self._collectives.extend(records)
+        coll = self._coll_ns
+        for r in records:
+            if r.rank == 0:
+                coll[r.step_id] = coll.get(r.step_id, 0) + r.duration_ns
         m = self.metrics
         for r in records:
             m.child("layerscope_collective_seconds", r.op).observe(r.duration_ns * 1e-9)
@@ -285,6 +303,8 @@ class ProbeRecorder(Recorder):
         st.req = None
         self._done.append(st)
         self._finished_pending.append(st)  # into Prometheus at the next flush
+        if not self._live:  # the engine has nothing left: publish now, it may stay idle
+            self.flush_metrics()
         if self.tracer.otlp:  # a live collector wants spans now, not at bundle write
             self._build(st)
 
@@ -332,6 +352,8 @@ class ProbeRecorder(Recorder):
         bad = set(fields) - set(OUTER_FIELDS)
         if bad:
             raise ValueError(f"unknown request fields {sorted(bad)}; accepted: {', '.join(OUTER_FIELDS)}")
+        if not self.enabled:
+            return
         self._outer.setdefault(request_id, {}).update(fields)
 
     def gateway_begin(self, request_id: str, arrival_ns: int | None = None, traceparent: str | None = None) -> str:
@@ -366,7 +388,7 @@ class ProbeRecorder(Recorder):
 
     # ---- building the tables (off the hot path) ---------------------------------------------
     def _collective_ns(self) -> dict[int, int]:
-        return collective_ns_by_step(self._collectives)
+        return self._coll_ns
 
     def _build(self, st: _Req, coll: dict[int, int] | None = None) -> None:
         """The request's engine row and its trace (once per request)."""
@@ -468,3 +490,17 @@ def _fill(row: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
         if v is not None and row.get(k) is None:
             row[k] = v
     return row
+
+
+class _FlushOnCollect:
+    """Registered first in the recorder's registry: any scrape flushes the pending steps first."""
+
+    def __init__(self, recorder: ProbeRecorder):
+        self.recorder = recorder
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        self.recorder.flush_metrics()
+        return []

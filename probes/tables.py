@@ -25,16 +25,6 @@ def rows_table(rows: Sequence[tuple], sch: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays([pa.array(list(c), type=f.type) for c, f in zip(cols, sch)], schema=sch)
 
 
-def collective_ns_by_step(records: "Sequence[CollectiveRecord]") -> dict[int, int]:
-    """Collective time per step id on the lowest rank present (rank 0: the driver's forward)."""
-    rank0 = min((r.rank for r in records), default=0)
-    out: dict[int, int] = {}
-    for r in records:
-        if r.rank == rank0:
-            out[r.step_id] = out.get(r.step_id, 0) + r.duration_ns
-    return out
-
-
 def steps_table(steps: "Sequence[StepRecord]", replica: int, collective_ns: dict[int, int]) -> pa.Table:
     cols: dict[str, list] = {
         "step_id": [s.step_id for s in steps],

@@ -96,3 +96,19 @@ def test_observe_many_equals_observe():
                 child.observe(v)
         texts.append("\n".join(l for l in generate_latest(reg).decode().splitlines() if "_created" not in l))
     assert texts[0] == texts[1]
+
+
+def test_scrape_sees_every_step(tiny_model):
+    """Prometheus gets steps in batches; a scrape of the registry (as the serving path does) flushes first."""
+    from layerscope.engine.llm import LLM
+    from layerscope.probes.recorder import ProbeRecorder
+    from tests.probes.conftest import ENGINE, params, prompts
+
+    rec = ProbeRecorder("default", metrics_every_steps=10_000)
+    with LLM(model=str(tiny_model), recorder=rec, **ENGINE) as llm:
+        llm.generate(prompts(3), params(4))
+        steps = llm.engine.scheduler.step_id
+    text = generate_latest(rec.metrics.registry).decode()
+    assert f'layerscope_batch_tokens_count{{model_name="",replica="0"}} {steps}.0' in text
+    assert 'layerscope_generation_tokens_total{model_name="",replica="0"} 12.0' in text
+    assert 'layerscope_time_to_first_token_seconds_count{model_name="",replica="0"} 3.0' in text
