@@ -199,6 +199,12 @@ class Causes:
         if layer == "gateway.queue":
             return [Part("gateway.queue", delta_s, "requests wait longer for admission at the gateway",
                          [f"gateway.queue {self._req_p50('gateway.queue')}"])]
+        if layer == "gateway.route" and self.slowdown >= 0.1 and not from_slowdown:
+            # a replica reads new requests between steps: the hand-off waits for the step in progress
+            parts = self._slowdown_parts(delta_s, "requests wait longer for the replica's step in progress before "
+                                                  "the engine takes them")
+            if parts:
+                return parts
         if layer == "gateway.route":
             return [Part("gateway.route", delta_s, "the router decision / hand-off to the replica got slower",
                          [f"gateway.route {self._req_p50('gateway.route')}"] + self._router_evidence())]

@@ -117,7 +117,7 @@ class Settings:
     fresh: bool = False
     timeout_s: float = 600.0
     max_busy: float = 0.35  # wait for the CPUs to be at most this busy before each run
-    quiet_timeout_s: float = 240.0
+    quiet_timeout_s: float = 60.0
     max_speed_ratio: float = 1.3  # rerun a pair whose runs saw machine speeds further apart
     retries: int = 2
 
