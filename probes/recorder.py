@@ -16,8 +16,9 @@ Serving across processes: the gateway process runs a recorder with
 ``replica="gateway"`` and calls ``gateway_begin``/``set_request_timestamps``/
 ``gateway_end``; it passes the traceparent from ``gateway_begin`` and its own
 timestamps to the replica, whose recorder gets them through ``set_traceparent`` /
-``set_request_timestamps``. Each process writes a part (``bundle.write_part``) and
-``BundleWriter`` merges the parts on request_id.
+``set_request_timestamps``. Each replica hands back ``export()`` (or writes
+``bundle.write_part``); ``BundleWriter`` merges everything on request_id. Call
+``configure(config, resolved)`` and ``start()``/``stop()`` around the run.
 
 (About 440 lines: the seam, the gateway-side methods and the row/trace assembly all
 work on the same per-request state; split, they would share private structures.)
