@@ -1,0 +1,158 @@
+"""From runs to a verdict: gate every metric, diagnose regressed pairs, diff configs.
+
+``analyse(result)`` fills a ``RegressResult``: per workload x config, each version's
+pooled figures (``pooled.headline`` with a CI), each candidate's comparison with the
+baseline (``pooled.compare_versions``: diagnose's significance rule over the pooled
+repetitions) and the gate's status per metric; for each regressed pair, diagnose's
+comparison of the representative repetitions (layer, cause, config changes); the
+config diff of every candidate against the baseline; the exit status.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from layerscope.regressions.regress import EXIT_OK, EXIT_REGRESSION, EXIT_USAGE, PlannedRun, RegressResult
+from layerscope.regressions.suite import HIGHER_IS_BETTER, METRICS
+from layerscope.regressions.versions import Version
+
+
+def analyse(result: RegressResult) -> None:
+    """Fill ``cells``, ``regressions``, ``config_diffs``, ``failures`` and ``exit_status``."""
+    from layerscope.regressions import pooled
+
+    suite, base = result.suite, result.baseline
+    for r in result.runs:
+        if r.status != "ok":
+            result.failures.append(f"{r.name}: {r.error}")
+    ok = [r for r in result.runs if r.status == "ok"]
+    for v in result.versions[1:]:
+        result.config_diffs[v.label] = _config_diff(ok, base, v)
+    baseline_failed = False
+    for w in suite.workloads:
+        for c in suite.configs:
+            runs = {v.label: [r for r in ok if r.version is v and r.workload == w.name and r.config == c]
+                    for v in result.versions}
+            cell: dict[str, Any] = {"workload": w.name, "config": c, "versions": {}, "comparisons": {},
+                                    "diagnoses": {}, "_runs": runs}
+            for v in result.versions:
+                an = [r.analysis for r in runs[v.label]]
+                cell["versions"][v.label] = {
+                    "repetitions_ok": len(an),
+                    "metrics": {m: {"value": pooled.headline(an, m, result.slo) if an else None,
+                                    "ci": pooled.confidence_interval(an, m, result.slo) if an else None,
+                                    "per_repetition": [r.figures.get(m) for r in runs[v.label]]}
+                                for m in METRICS}}
+            if not runs[base.label]:
+                baseline_failed = True
+            for v in result.versions[1:]:
+                if not runs[base.label] or not runs[v.label]:
+                    continue
+                comp = pooled.compare_versions([r.analysis for r in runs[base.label]],
+                                               [r.analysis for r in runs[v.label]], result.slo)
+                cell["comparisons"][v.label] = {
+                    m: _gate(m, comp[m], suite.thresholds.get(m), cell["versions"][base.label]["metrics"][m]["per_repetition"],
+                             cell["versions"][v.label]["metrics"][m]["per_repetition"]) for m in METRICS}
+                regressed = [m for m, g in cell["comparisons"][v.label].items() if g["status"] == "regressed"]
+                if regressed:
+                    cell["diagnoses"][v.label] = _diagnose(runs[base.label], runs[v.label], regressed[0], result.slo)
+                    for m in regressed:
+                        result.regressions.append(_regression(v, w.name, c, m, cell, result))
+            result.cells.append(cell)
+    candidate_failed = any(r.status != "ok" for r in result.runs if r.version is not base)
+    if baseline_failed:
+        result.exit_status = EXIT_USAGE
+    elif result.regressions or candidate_failed:
+        result.exit_status = EXIT_REGRESSION
+    else:
+        result.exit_status = EXIT_OK
+
+
+def _gate(metric: str, comp: dict, threshold: float | None, base_reps: list, cand_reps: list) -> dict:
+    """Add ``threshold_pct`` (max regression), ``regression_pct`` (how much worse, percent; < 0
+    better), ``consistent`` and ``status``: regressed | worse | improved | unchanged.
+
+    Regressed: significantly worse by diagnose's rule (repetitions pooled), by more than
+    the threshold, and consistent: even the candidate's best repetition is worse than the
+    baseline's worst. The last condition guards against a shared machine's drift, which
+    can slow every request of one run alike: the pooled test sees many requests, but
+    only as many independent draws of the machine's state as there are repetitions.
+    Significantly worse without all three: "worse" (reported, not gated).
+    """
+    d = comp.get("delta_pct")
+    higher_better = metric in HIGHER_IS_BETTER
+    worse_pct = None if d is None or (isinstance(d, float) and math.isnan(d)) else (-d if higher_better else d)
+    b = [x for x in base_reps if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    c = [x for x in cand_reps if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    consistent = bool(b and c and (max(c) < min(b) if higher_better else min(c) > max(b)))
+    if comp.get("worse"):
+        gated = threshold is not None and worse_pct is not None and worse_pct > threshold
+        status = "regressed" if gated and consistent else "worse"
+    elif comp.get("significant"):
+        status = "improved"
+    else:
+        status = "unchanged"
+    return {**comp, "threshold_pct": threshold, "regression_pct": worse_pct, "consistent": consistent,
+            "status": status}
+
+
+def representative(runs: list[PlannedRun], metric: str) -> PlannedRun:
+    """The repetition whose ``metric`` is the (lower) median of the version's repetitions."""
+    vals = sorted(runs, key=lambda r: (r.figures.get(metric) is None, r.figures.get(metric) or 0.0))
+    return vals[(len(vals) - 1) // 2]
+
+
+def _diagnose(base_runs: list[PlannedRun], cand_runs: list[PlannedRun], metric: str, slo: dict) -> dict:
+    """diagnose's comparison of the representative repetitions: layers, causes, config changes."""
+    from layerscope.diagnose.comparison import compare
+
+    ra, rb = representative(base_runs, metric), representative(cand_runs, metric)
+    comp = compare(ra.analysis, rb.analysis, slo=slo)
+    d = dict(comp.diagnosis)
+    d["baseline_bundle"], d["candidate_bundle"] = str(ra.bundle), str(rb.bundle)
+    d["layer_by_metric"] = {}
+    for name, table in comp.attribution.items():  # the layer that moved most, even where not significant
+        t = table[table["layer"] != "residual"]
+        if len(t):
+            top = t.loc[t["delta_s"].abs().idxmax()]
+            d["layer_by_metric"][name] = {"layer": str(top["layer"]), "delta_s": float(top["delta_s"]),
+                                          "share": float(top["share"]) if top["share"] == top["share"] else None}
+    return d
+
+
+def _regression(v: Version, workload: str, config: str, metric: str, cell: dict, result: RegressResult) -> dict:
+    g = cell["comparisons"][v.label][metric]
+    d = cell["diagnoses"].get(v.label) or {}
+    findings = [f for f in d.get("findings", []) if f["metric"] == metric] or d.get("findings", [])
+    f = findings[0] if findings else None
+    layer = f["layer"] if f else (d.get("layer_by_metric", {}).get(metric) or {}).get("layer")
+    from layerscope.diagnose.config_diff import can_move
+
+    changes = [change_text(r) for r in result.config_diffs.get(v.label, [])
+               if r["kind"] == "config" and (layer is None or can_move(r["layer"], {layer}))]
+    return {"version": v.label, "baseline": result.baseline.label, "workload": workload, "config": config,
+            "metric": metric, "label": METRICS[metric], "baseline_value": g["baseline"],
+            "candidate_value": g["candidate"], "delta_pct": g["delta_pct"], "ci_pct": g["ci_pct"],
+            "threshold_pct": g["threshold_pct"], "layer": layer, "cause": f["cause"] if f else None,
+            "config_changes": changes,
+            "evidence": f["evidence"][:4] if f else []}
+
+
+def _config_diff(ok: list[PlannedRun], base: Version, v: Version) -> list[dict]:
+    """Config (defaults included) / resolved / version / hardware diff of the first measured
+    run of the baseline and of ``v`` in the same workload x config."""
+    from layerscope.diagnose.config_diff import config_diff, diff_records
+
+    for a in (r for r in ok if r.version is base):
+        b = next((r for r in ok if r.version is v and (r.workload, r.config) == (a.workload, a.config)), None)
+        if b is not None:
+            return diff_records(config_diff(a.analysis.run, b.analysis.run))
+    return []
+
+
+def change_text(row: dict) -> str:
+    """``max_num_seqs 64 -> 2 (default changed)`` / ``(set -> default)``."""
+    sa, sb = row.get("baseline_source"), row.get("candidate_source")
+    src = "default changed" if sa == sb == "default" else f"{sa} -> {sb}"
+    return f"{row['key']} {row['baseline']} -> {row['candidate']} ({src})"

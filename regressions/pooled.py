@@ -1,0 +1,152 @@
+"""Compare two versions over all their repetitions, with diagnose's significance rule.
+
+One repetition of a small suite has a few dozen requests; pooling the repetitions of
+a version (their requests, their engine steps, each repetition kept in arrival order
+and the repetitions one after another) gives the significance test of
+``layerscope.diagnose.stats`` the samples it needs, and a run-to-run shift between
+repetitions widens the block-bootstrap CI, as it should. The estimators are those of
+``layerscope.diagnose.comparison``, applied to the pooled samples:
+
+- latency quantiles (TTFT/TPOT p50 p99, E2E p50): ``compare_quantile`` over the pooled
+  per-request values;
+- output tokens/s: the headline is pooled output tokens / pooled busy seconds; its CI
+  comes from ``compare_rate`` over the pooled steps (tokens, own duration), shifted
+  onto the headline; below saturation it is only called when the served share of the
+  offered load moved too (as in diagnose);
+- goodput: requests meeting every SLO / pooled busy seconds; called when it moves by
+  the minimum effect and the met share moves by 5 points with a CI excluding zero.
+
+All figures in seconds, tokens/s, requests/s.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from layerscope.diagnose.analysis import RunAnalysis
+from layerscope.diagnose.comparison import GOODPUT, LATENCY_METRICS, THROUGHPUT, meets_slo
+from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_indices, compare_quantile, compare_rate
+
+METRIC_NAMES = tuple(name for name, *_ in LATENCY_METRICS) + (THROUGHPUT, GOODPUT)
+_LATENCY = {name: (m, q, kind) for name, m, q, kind in LATENCY_METRICS}
+
+
+def pooled_values(runs: Sequence[RunAnalysis], metric: str) -> np.ndarray:
+    """Per-request ``metric`` (ttft, tpot, e2e) of finished requests, runs concatenated (s)."""
+    parts = [a.ok[f"{metric}_s"].to_numpy(np.float64) for a in runs]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def _steps(a: RunAnalysis) -> tuple[np.ndarray, np.ndarray]:
+    """Per step in start order: tokens computed for requests (decode + prefill seqs) and the
+    step's own duration up to the next step's start (s), as diagnose's throughput does."""
+    s, st = a.run.steps, a.steps
+    if not len(s):
+        return np.zeros(0), np.zeros(0)
+    tokens = (s["num_decode_seqs"].fillna(0) + s["num_prefill_seqs"].fillna(0)).to_numpy(np.float64)
+    order = np.argsort(st["t_start_s"].to_numpy(), kind="stable")
+    start = st["t_start_s"].to_numpy()[order]
+    own = np.r_[np.diff(start), st["t_end_s"].to_numpy()[order][-1:] - start[-1:]]
+    return tokens[order], np.clip(own, 0, None)
+
+
+def _served_share(runs: Sequence[RunAnalysis]) -> float:
+    span = sum(float(a.ok["arrival_s"].max() - a.ok["arrival_s"].min()) for a in runs if len(a.ok) > 1)
+    busy = sum(a.busy_s for a in runs)
+    return span / busy if busy > 0 else math.nan
+
+
+def headline(runs: Sequence[RunAnalysis], metric: str, slo: dict[str, float]) -> float:
+    """The pooled value of ``metric`` for one version (seconds, tokens/s or requests/s)."""
+    if metric in _LATENCY:
+        m, q, _ = _LATENCY[metric]
+        v = pooled_values(runs, m)
+        v = v[~np.isnan(v)]
+        return float(np.quantile(v, q)) if len(v) else math.nan
+    busy = sum(a.busy_s for a in runs)
+    if busy <= 0:
+        return math.nan
+    if metric == THROUGHPUT:
+        return sum(float(a.ok["num_output_tokens"].sum()) for a in runs) / busy
+    return sum(int(meets_slo(a.ok, slo).sum()) for a in runs) / busy
+
+
+def confidence_interval(runs: Sequence[RunAnalysis], metric: str, slo: dict[str, float],
+                        rule: Rule = DEFAULT_RULE) -> tuple[float, float] | None:
+    """An interval around one version's pooled value, for plots; None when too few samples.
+
+    Latencies: the 95% moving-block bootstrap CI of the pooled quantile. Rates: the range
+    of the repetitions' values (a step bootstrap of a bursty run mostly resamples the idle
+    gaps between bursts, which says little about the version)."""
+    if metric not in _LATENCY:
+        vals = [headline([a], metric, slo) for a in runs]
+        vals = [v for v in vals if not math.isnan(v)]
+        return (min(vals), max(vals)) if len(vals) >= 2 else None
+    m, q, _ = _LATENCY[metric]
+    v = pooled_values(runs, m)
+    v = v[~np.isnan(v)]
+    if len(v) < 5:
+        return None
+    rng = np.random.default_rng(rule.seed)
+    tail = (1 - rule.confidence) / 2
+    boot = np.quantile(v[block_indices(len(v), rule.num_boot, rng)], q, axis=1)
+    return float(np.quantile(boot, tail)), float(np.quantile(boot, 1 - tail))
+
+
+def compare_versions(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], slo: dict[str, float],
+                     rule: Rule = DEFAULT_RULE) -> dict[str, dict]:
+    """metric -> {baseline, candidate, delta_pct, ci_pct, p_value, significant, worse,
+    n_baseline, n_candidate} for every metric of ``METRIC_NAMES`` (diagnose's keys)."""
+    out: dict[str, dict] = {}
+    for name, (m, q, kind) in _LATENCY.items():
+        out[name] = compare_quantile(pooled_values(base, m), pooled_values(cand, m), q, kind, rule)
+    out[THROUGHPUT] = _throughput(base, cand, rule)
+    out[GOODPUT] = _goodput(base, cand, slo, rule)
+    return out
+
+
+def _throughput(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], rule: Rule) -> dict:
+    pa_, pb_ = [_steps(a) for a in base], [_steps(b) for b in cand]
+    cat = lambda parts, i: np.concatenate([p[i] for p in parts]) if parts else np.zeros(0)  # noqa: E731
+    r = compare_rate(cat(pa_, 0), cat(pa_, 1), cat(pb_, 0), cat(pb_, 1), rule)
+    ha, hb = headline(base, THROUGHPUT, {}), headline(cand, THROUGHPUT, {})
+    head_rel = 100 * (hb / ha - 1) if ha > 0 else math.nan
+    if r["ci_pct"] is not None and ha > 0:  # the estimator's CI, shifted onto the headline change
+        step_rel = r["delta_pct"]
+        lo, hi = r["ci_pct"][0] - step_rel + head_rel, r["ci_pct"][1] - step_rel + head_rel
+        r["ci_pct"] = [lo, hi]
+        r["significant"] = bool(abs(head_rel) >= 100 * rule.min_effect["rate"] and (lo > 0 or hi < 0))
+    sa, sb = _served_share(base), _served_share(cand)
+    if r["significant"] and not abs(sb / sa - 1) >= rule.min_effect["rate"]:
+        r["significant"] = False  # an open-loop run below saturation serves its offered load
+    r.update(baseline=ha, candidate=hb, delta_pct=head_rel, served_share=[sa, sb])
+    r["worse"] = bool(r["significant"] and head_rel < 0)
+    return r
+
+
+def _goodput(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], slo: dict[str, float], rule: Rule) -> dict:
+    ga = np.concatenate([meets_slo(a.ok, slo) for a in base]) if base else np.zeros(0, bool)
+    gb = np.concatenate([meets_slo(b.ok, slo) for b in cand]) if cand else np.zeros(0, bool)
+    ha, hb = headline(base, GOODPUT, slo), headline(cand, GOODPUT, slo)
+    fa = float(ga.mean()) if len(ga) else math.nan
+    fb = float(gb.mean()) if len(gb) else math.nan
+    r = {"baseline": ha, "candidate": hb, "delta_pct": 100 * (hb / ha - 1) if ha > 0 else math.nan,
+         "ci_pct": None, "p_value": None, "significant": False, "worse": False, "n_baseline": int(len(ga)),
+         "n_candidate": int(len(gb)), "slo_met_share": [fa, fb]}
+    if len(ga) < 20 or len(gb) < 20 or not ha > 0:
+        return r
+    rng = np.random.default_rng(rule.seed)
+    ba = ga.astype(float)[block_indices(len(ga), rule.num_boot, rng)].mean(axis=1)
+    bb = gb.astype(float)[block_indices(len(gb), rule.num_boot, rng)].mean(axis=1)
+    tail = (1 - rule.confidence) / 2
+    lo, hi = np.quantile(bb - ba, [tail, 1 - tail])
+    if fa > 0 and fb > 0:
+        rel = (hb / ha) * (bb / np.where(ba > 0, ba, np.nan)) / (fb / fa) - 1
+        r["ci_pct"] = [100 * float(np.nanquantile(rel, tail)), 100 * float(np.nanquantile(rel, 1 - tail))]
+    sig = abs(r["delta_pct"]) >= 100 * rule.min_effect["rate"] and abs(fb - fa) >= 0.05 and (lo > 0 or hi < 0)
+    r["significant"] = bool(sig)
+    r["worse"] = bool(sig and hb < ha)
+    return r

@@ -1,0 +1,74 @@
+"""``layerscope regress SUITE --versions A,B,... [--out DIR]`` (registered by regressions/cli.py).
+
+Exit status for CI: 0 no regression; 1 a metric regressed beyond the suite's threshold
+with significance (or a candidate's runs failed); 2 usage or suite errors (nothing is
+written then), or the baseline could not be measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_regress_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "regress", help="run a regression suite across versions; compare, attribute, gate (exit 1 on regression)",
+        description=__doc__.splitlines()[0])
+    p.add_argument("suite", metavar="SUITE", help="suite TOML file, or a shipped suite name (smoke, full)")
+    p.add_argument("--versions", metavar="A,B,...",
+                   help="git revisions, WORKTREE (the working tree as is) or endpoint:URL; the first is the baseline "
+                        "(default: the suite's versions)")
+    p.add_argument("--out", default="regress-results", metavar="DIR",
+                   help="results directory: one folder per session, results.sqlite accumulates (default: %(default)s)")
+    p.add_argument("--store", metavar="PATH", help="result store (SQLite) to use instead of DIR/results.sqlite")
+    p.add_argument("--repo", metavar="PATH", help="layerscope git checkout the revisions come from (default: the "
+                                                  "one around the working directory)")
+    p.add_argument("--repetitions", type=int, metavar="N", help="override the suite's repetitions")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_regress)
+
+
+def cmd_regress(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from rich.console import Console
+
+    from layerscope.regressions.regress import EXIT_USAGE, regress
+    from layerscope.regressions.report import terminal_table
+    from layerscope.regressions.suite import load_suite
+
+    err = Console(stderr=True)
+    try:
+        suite = load_suite(args.suite)
+        if args.repetitions is not None:
+            if args.repetitions < 1:
+                raise ValueError(f"--repetitions must be >= 1, got {args.repetitions}")
+            suite = dataclasses.replace(suite, repetitions=args.repetitions)
+        versions = args.versions.split(",") if args.versions else None
+        result = regress(suite, versions, args.out, store=args.store, repo=args.repo,
+                         progress="off" if args.no_progress else "bar" if err.is_terminal else "lines", console=err)
+    except ValueError as e:  # SuiteError, VersionError, RegressError, ConfigError
+        print(f"layerscope regress: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        Console(width=max(Console().width, 140)).print(terminal_table(result))
+        for f in result.failures:
+            err.print(f"[red]run failed[/]: {f}")
+    return result.exit_status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m layerscope.regressions.regress_cli SUITE ...``: the same command on its own."""
+    parser = argparse.ArgumentParser(prog="layerscope")
+    add_regress_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["regress", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
