@@ -8,6 +8,7 @@ detectors and the comparison's cause rules read. All durations in seconds.
 from __future__ import annotations
 
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,8 @@ from layerscope.diagnose.load import Run, load_run
 
 
 class RunAnalysis:
-    def __init__(self, run: Run | str):
-        self.run = load_run(run) if isinstance(run, str) else run
+    def __init__(self, run: Run | str | Path):
+        self.run = run if isinstance(run, Run) else load_run(run)
 
     @property
     def name(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,7 +77,7 @@ def meets_slo(bd: pd.DataFrame, slo: dict[str, float]) -> np.ndarray:
     return ok
 
 
-def compare(baseline: Run | str | RunAnalysis, candidate: Run | str | RunAnalysis, *,
+def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Path | RunAnalysis, *,
             slo: dict[str, float] | None = None, rule: Rule = DEFAULT_RULE) -> Comparison:
     a = baseline if isinstance(baseline, RunAnalysis) else RunAnalysis(baseline)
     b = candidate if isinstance(candidate, RunAnalysis) else RunAnalysis(candidate)

@@ -12,7 +12,8 @@ Each request's life is walked as a timeline on the run's monotonic clock:
     between two of its steps             engine.schedule when no other step ran in between (host
                                          loop), engine.kv when the next step recomputes (it was
                                          preempted), else engine.queue (not scheduled: a stall)
-    after its last step, to the end      engine.output (streaming back through the gateway)
+    after its last step, or after the engine produced the window's token, to the window's end:
+                                         engine.output (the way back out through the gateway)
 
 and the TTFT window [arrival, first token], the E2E window [arrival, last token] and
 the decode window [first token, last token] are clipped out of it; TPOT components
@@ -144,9 +145,12 @@ def request_breakdown(run: Run) -> pd.DataFrame:
         "arrival_s": start, "ttft_s": ttft, "tpot_s": r["tpot_s"].to_numpy(np.float64), "e2e_s": e2e,
         "client_s": r["client_ttft_s"].to_numpy(np.float64) - ttft,
     })
-    ttft_c = _window(n, pre, mem, start, start + ttft)
-    e2e_c = _window(n, pre, mem, start, start + e2e)
-    decode_c = _window(n, pre, mem, start + ttft, start + e2e)
+    # the engine's part of a window ends where the engine produced its token; what follows
+    # (the token's way out through the gateway) is engine.output
+    fin_engine = _sec(r["engine_finished_ns"], origin)
+    ttft_c = _window(n, pre, mem, start, start + ttft, first_tok_engine)
+    e2e_c = _window(n, pre, mem, start, start + e2e, fin_engine)
+    decode_c = _window(n, pre, mem, start + ttft, start + e2e, fin_engine)
     recorded_cols = [c for _, c in TTFT_COMPONENTS] + ["ttft_residual_s"]
     rec = r[recorded_cols].to_numpy(np.float64)
     has_rec = ~np.isnan(rec).any(axis=1)
@@ -206,9 +210,14 @@ def _ov(x0, x1, lo, hi):
     return np.nan_to_num(np.clip(np.minimum(x1, hi) - np.maximum(x0, lo), 0.0, None))
 
 
-def _window(n: int, pre: dict, mem: dict, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Seconds per component of each request's window [a, b]; shape [n, len(COMPONENTS)]."""
-    comps = _window_steps(n, pre, mem, a, b)
+def _window(n: int, pre: dict, mem: dict, a: np.ndarray, b: np.ndarray, engine_end: np.ndarray) -> np.ndarray:
+    """Seconds per component of each request's window [a, b]; shape [n, len(COMPONENTS)].
+
+    Steps and gaps count up to ``engine_end`` (the engine's first/last token; nan: b); the
+    window's rest after it is engine.output."""
+    eb = np.where(np.isnan(engine_end), b, np.minimum(engine_end, b))
+    comps = _window_steps(n, pre, mem, a, eb)
+    comps[:, _IDX["engine.output"]] += _ov(eb, b, a, b)
     if pre["kv"] is not None:
         # a preempted request is in no step: its preempted time was labelled a stall (engine.queue)
         kri, k0, k1 = pre["kv"]

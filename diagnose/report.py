@@ -9,6 +9,7 @@ findings. Seconds everywhere.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,7 @@ def slowest_requests(a: RunAnalysis, n: int = 10, metric: str = "e2e") -> pd.Dat
     })
 
 
-def summarize(run: Run | str | RunAnalysis, slo: dict[str, float] | None = None, top: int = 10) -> dict[str, Any]:
+def summarize(run: Run | str | Path | RunAnalysis, slo: dict[str, float] | None = None, top: int = 10) -> dict[str, Any]:
     """Everything the single-run report shows, JSON-ready (see module doc)."""
     a = run if isinstance(run, RunAnalysis) else RunAnalysis(run)
     ok = a.ok
