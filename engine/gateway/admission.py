@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from typing import Callable
 
 
 class QueueFullError(Exception):
@@ -20,8 +21,11 @@ class QueueFullError(Exception):
 
 
 class AdmissionController:
-    def __init__(self, max_concurrency: int, max_queue: int, delay_s: float = 0.0):
+    def __init__(self, max_concurrency: int, max_queue: int, delay_s: float = 0.0,
+                 on_change: Callable[[], None] | None = None):
+        """``on_change()`` is called whenever ``num_active`` or ``num_waiting`` changed (gauges)."""
         self.max_concurrency = max_concurrency
+        self.on_change = on_change or (lambda: None)
         self.max_queue = max_queue
         self.delay_s = delay_s
         self.num_active = 0  # admitted and not released
@@ -51,15 +55,18 @@ class AdmissionController:
             )
         if self.delay_s:
             self.num_delayed += 1
+            self.on_change()
             try:
                 await asyncio.sleep(self.delay_s)
             finally:
                 self.num_delayed -= 1
         if self._can_admit_now():
             self.num_active += 1
+            self.on_change()
             return
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        self.on_change()
         try:
             await fut  # release() counted us active before resolving
         except asyncio.CancelledError:
@@ -70,6 +77,7 @@ class AdmissionController:
                     self._waiters.remove(fut)
                 except ValueError:
                     pass
+                self.on_change()
             raise
 
     def release(self) -> None:
@@ -80,3 +88,4 @@ class AdmissionController:
             if not fut.done():
                 self.num_active += 1
                 fut.set_result(None)
+        self.on_change()

@@ -173,7 +173,7 @@ class Gateway:
         self.record = record
         self.tokenizer = load_gateway_tokenizer(config.model)
         self.admission = AdmissionController(config.gateway.max_concurrency, config.gateway.max_queue,
-                                             self.faults.gateway_delay_ms / 1000.0)
+                                             self.faults.gateway_delay_ms / 1000.0, self._update_queue_gauges)
         self.router = Router(config.router_policy, num_replicas, config.block_size, self.faults.router_skew,
                              seed=config.seed)
         self.replicas = [ReplicaClient(i, config, self.faults, probes, self.model_name, recorder_kwargs)
@@ -189,6 +189,7 @@ class Gateway:
         self._collect: dict[int, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._started = False
+        self._stopping = False
         from layerscope.engine.gateway.replica import make_recorder
         from layerscope.probes.metrics import create_metrics
 
@@ -236,6 +237,7 @@ class Gateway:
         """Abort what is in flight, stop the replicas (idempotent)."""
         for s in list(self._streams.values()):
             self._fail(s, APIError(503, "the server is shutting down", type="server_error"))
+        self._stopping = True
         for r in self.replicas:
             r.shutdown()
         self._started = False
@@ -277,7 +279,6 @@ class Gateway:
     async def submit(self, rec: GatewayRecord, token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Admission (may wait; QueueFull -> APIError 429), routing, hand-off to a replica."""
         rec.num_prompt_tokens = len(token_ids)
-        self._update_queue_gauges()
         try:
             await self.admission.acquire()
         except QueueFullError as e:
@@ -295,7 +296,6 @@ class Gateway:
             idx = self.router.choose(token_ids, self.num_in_flight, alive)
         except BaseException:
             self.admission.release()
-            self._update_queue_gauges()
             raise
         stream = RequestStream(rec)
         rec.replica = idx
@@ -309,7 +309,6 @@ class Gateway:
                                  {"gateway_arrival_ns": rec.gateway_arrival_ns,
                                   "gateway_admitted_ns": rec.gateway_admitted_ns,
                                   "gateway_routed_ns": rec.gateway_routed_ns}))
-        self._update_queue_gauges()
         return stream
 
     def close(self, stream: RequestStream, http_status: int, error: str | None = None) -> None:
@@ -337,7 +336,6 @@ class Gateway:
         if rec.replica is not None:
             self.num_in_flight[rec.replica] -= 1
         self.admission.release()
-        self._update_queue_gauges()
         self._observe(rec)
 
     def reject(self, rec: GatewayRecord, err: APIError) -> None:
@@ -405,8 +403,9 @@ class Gateway:
                 self._loop.call_soon_threadsafe(self._dispatch, idx, msg)
             except RuntimeError:  # the loop closed meanwhile (shutdown)
                 pass
-        if kind == "fatal":
-            logger.error("%s", msg[1])
+        if kind in ("fatal", "exit"):
+            if not self._stopping:
+                logger.error("%s", msg[1] if kind == "fatal" else f"replica {idx} exited")
             fut = self._collect.pop(idx, None)
             if fut is not None:
                 fut.set_result(None)
@@ -425,7 +424,7 @@ class Gateway:
             if s is not None:
                 s.engine_done = True  # never added
                 self._fail(s, APIError(400, msg[2]))
-        elif kind == "fatal":
+        elif kind in ("fatal", "exit"):
             for s in list(self._streams.values()):
                 if s.record.replica == idx:
                     s.engine_done = True

@@ -51,6 +51,7 @@ class TokenDelta(NamedTuple):
     engine_first_token_ns: int | None
     engine_finished_ns: int | None
     num_preemptions: int
+    text: str | None = None  # the whole output text, on the finished delta only (stop strings cut it)
 
 
 # ---- child process ------------------------------------------------------------------------------
@@ -76,12 +77,22 @@ class _EngineMetrics:
         from layerscope.probes.metrics import create_metrics
 
         own = getattr(recorder, "metrics", None)
+        # the recorder batches its Prometheus updates: flush before every snapshot
+        self._flush = getattr(recorder, "flush_metrics", None) if own is not None else None
         self.owns_counters = own is None
         self.metrics = own if own is not None else create_metrics(model_name=model_name, replica=replica)
         self._last: dict[str, Any] = {}
         self._g = {k: self.metrics.child(k) for k in ("layerscope_num_requests_running",
                                                       "layerscope_num_requests_waiting",
                                                       "layerscope_kv_cache_usage_perc")}
+
+    def snapshot(self, stats: dict[str, Any]) -> list:
+        """The registry's families with the recorder's pending updates in and the gauges set
+        from ``stats`` (the state now, which may be newer than the last step's)."""
+        if self._flush is not None:
+            self._flush()
+        self.update(stats)
+        return list(self.metrics.registry.collect())
 
     def update(self, stats: dict[str, Any]) -> None:
         self._g["layerscope_num_requests_running"].set(stats["num_running"])
@@ -105,21 +116,23 @@ class _EngineMetrics:
         if self.owns_counters and n:
             self.metrics.child("layerscope_generation_tokens_total").inc(n)
 
-    def families(self) -> list:
-        return list(self.metrics.registry.collect())
-
 
 def _delta(out) -> TokenDelta:
     return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                       out.stop_reason, len(out.prompt_token_ids), out.num_cached_tokens, len(out.token_ids),
-                      out.arrival_ns, out.first_token_ns, out.finished_ns, out.num_preemptions)
+                      out.arrival_ns, out.first_token_ns, out.finished_ns, out.num_preemptions,
+                      out.text if out.finished else None)
 
 
 def replica_main(index: int, config, faults, probes: str, model_name: str, recorder_kwargs: dict[str, Any],
                  inbox, outbox) -> None:
     """Entry point of a replica process: load the engine, then serve the inbox until shutdown."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the gateway stops us
+    # Ctrl-C reaches the whole process group: the gateway stops us. SIGTERM (to us or the
+    # group) ends the loop cleanly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    terminated = []
+    signal.signal(signal.SIGTERM, lambda *_: terminated.append(True))
     from layerscope.engine.llm_engine import LLMEngine
     from layerscope.engine.sampling_params import InvalidRequestError
 
@@ -135,9 +148,11 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, recor
         return
     outbox.put(("ready", {"replica": index, "pid": os.getpid(), "resolved": engine.resolved.to_dict(),
                           "max_model_len": engine.max_model_len}))
+    stats = engine.stats()
+    outbox.put(("metrics", metrics.snapshot(stats), stats))  # the idle state, before the first request
     parent = mp.parent_process()
-    last_push = 0.0
-    dirty = True
+    last_push = time.monotonic()
+    dirty = False
     try:
         while True:
             busy = engine.has_unfinished_requests()
@@ -170,7 +185,7 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, recor
                 elif kind == "shutdown":
                     stop = True
                 dirty = True
-            if stop:
+            if stop or terminated:
                 break
             if engine.has_unfinished_requests():
                 outs = engine.step()
@@ -188,8 +203,7 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, recor
             idle = not engine.has_unfinished_requests()
             if dirty and (idle or now - last_push >= METRICS_INTERVAL_S):
                 stats = engine.stats()
-                metrics.update(stats)
-                outbox.put(("metrics", metrics.families(), stats))
+                outbox.put(("metrics", metrics.snapshot(stats), stats))
                 last_push, dirty = now, False
     except Exception:  # noqa: BLE001 - the engine broke: tell the gateway, then exit
         outbox.put(("fatal", f"replica {index} crashed:\n{traceback.format_exc()}"))

@@ -132,7 +132,8 @@ def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
         builder = ResponseBuilder(rec.request_id, gateway.model_name, chat)
         if req.stream:
             gone.cancel()  # from here StreamingResponse watches the connection itself
-            return StreamingResponse(_sse(gateway, stream, builder, req.include_usage),
+            text = _StopHoldback(max((len(x) for x in params.stop), default=0))
+            return StreamingResponse(_sse(gateway, stream, builder, req.include_usage, text),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rec.request_id})
         gone.add_done_callback(lambda t: t.cancelled() or stream.closed or
@@ -173,14 +174,42 @@ def _usage(rec: GatewayRecord) -> dict[str, Any]:
     return usage_dict(rec.num_prompt_tokens or 0, rec.num_output_tokens, rec.num_cached_tokens or 0)
 
 
-async def _sse(gateway: Gateway, stream: RequestStream, builder: ResponseBuilder,
-               include_usage: bool) -> AsyncIterator[str]:
+class _StopHoldback:
+    """Streams text so that no character of a stop string is ever sent.
+
+    The engine finds a stop string only once it is complete, by which time its first
+    characters may have gone out with earlier tokens; so, while stop strings are set,
+    the last ``longest - 1`` characters are held back until the next token (vLLM does
+    the same). The finished delta carries the final text, already cut at the stop.
+    """
+
+    def __init__(self, longest_stop: int):
+        self.hold = max(longest_stop - 1, 0)
+        self.text = ""
+        self.num_sent = 0
+
+    def push(self, d) -> str:
+        if d.finished and d.text is not None:
+            out = d.text[self.num_sent:]
+            self.num_sent = len(d.text)
+            return out
+        self.text += d.new_text
+        if not self.hold:
+            out = self.text[self.num_sent:]
+        else:
+            out = self.text[self.num_sent: max(self.num_sent, len(self.text) - self.hold)]
+        self.num_sent += len(out)
+        return out
+
+
+async def _sse(gateway: Gateway, stream: RequestStream, builder: ResponseBuilder, include_usage: bool,
+               text: _StopHoldback) -> AsyncIterator[str]:
     status, error = CLIENT_GONE, "client disconnected"  # unless we get to the end
     try:
         if builder.chat:
             yield builder.role_chunk()
-        async for d in stream.deltas():
-            yield builder.token_chunk(d.new_text, d.finish_reason if d.finished else None, d.stop_reason)
+        async for d in stream.deltas():  # one chunk per token, even when its text is held back or empty
+            yield builder.token_chunk(text.push(d), d.finish_reason if d.finished else None, d.stop_reason)
         if include_usage:
             yield builder.usage_chunk(_usage(stream.record))
         status, error = 200, None
@@ -195,11 +224,9 @@ async def _sse(gateway: Gateway, stream: RequestStream, builder: ResponseBuilder
 
 
 async def _full(gateway: Gateway, stream: RequestStream, builder: ResponseBuilder) -> Response:
-    parts: list[str] = []
     last = None
     try:
         async for d in stream.deltas():
-            parts.append(d.new_text)
             last = d
     except APIError as e:
         gateway.close(stream, e.status, e.message)
@@ -207,7 +234,7 @@ async def _full(gateway: Gateway, stream: RequestStream, builder: ResponseBuilde
     except BaseException:
         gateway.close(stream, 500, "internal error")
         raise
-    body = builder.full("".join(parts), last.finish_reason, last.stop_reason, _usage(stream.record))
+    body = builder.full(last.text or "", last.finish_reason, last.stop_reason, _usage(stream.record))
     gateway.close(stream, 200)
     return JSONResponse(body, headers={"X-Request-Id": stream.record.request_id})
 
