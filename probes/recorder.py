@@ -43,6 +43,16 @@ from layerscope.probes.tracing import RequestTracer
 
 LEVELS = ("off", "default", "full")
 _PHASE_NS = tuple(f"{p}_ns" for p in STEP_PHASES)  # StepRecord fields, in STEP_PHASES order
+_REQUEST_HISTOGRAMS = {
+    "queue": "layerscope_request_queue_time_seconds",
+    "ttft": "layerscope_time_to_first_token_seconds",
+    "prefill": "layerscope_request_prefill_time_seconds",
+    "e2e": "layerscope_e2e_request_latency_seconds",
+    "decode": "layerscope_request_decode_time_seconds",
+    "tpot": "layerscope_time_per_output_token_seconds",
+    "itl": "layerscope_inter_token_latency_seconds",
+}
+_SUCCESS_REASON = {"finished_stopped": "stop", "finished_length": "length"}
 
 
 class _Req:
@@ -150,6 +160,8 @@ class ProbeRecorder(Recorder):
         self._m_preempt = m.child("layerscope_num_preemptions_total")
         self._m_gen = m.child("layerscope_generation_tokens_total")
         self._m_layer: dict[str, Any] = {}
+        self._m_req = {k: m.child(name) for k, name in _REQUEST_HISTOGRAMS.items()}
+        self._m_prompt = m.child("layerscope_prompt_tokens_total")
 
     # ---- run lifecycle ---------------------------------------------------------------
     def configure(self, config=None, resolved=None) -> None:
@@ -237,9 +249,11 @@ class ProbeRecorder(Recorder):
             self._flush()
 
     def _flush(self) -> None:
-        pending = self._finished_pending
+        pending, finished = self._finished_pending, []
         while pending:
-            self._observe_request(pending.popleft())
+            finished.append(pending.popleft())
+        if finished:
+            self._observe_requests(finished)
         end = len(self._steps)
         if self._flushed == end:
             return
@@ -309,35 +323,50 @@ class ProbeRecorder(Recorder):
         if self.tracer.otlp:  # a live collector wants spans now, not at bundle write
             self._build(st)
 
-    def _observe_request(self, st: _Req) -> None:
-        m, info = self.metrics, st.info
-        ev = _events(st.events)
-        arrival, sched, first, fin = (ev.get(k) for k in ("arrival", "scheduled", "first_token", "finished"))
-        outer = self._outer.get(st.rid)
-        start = outer.get("gateway_arrival_ns") if outer and outer.get("gateway_arrival_ns") else arrival
-        reason = {"finished_stopped": "stop", "finished_length": "length"}.get(info["status"], "abort")
-        m.child("layerscope_request_success_total", reason).inc()
-        m.child("layerscope_prompt_tokens_total").inc(info["num_prompt_tokens"])
-        if arrival is not None and sched is not None:
-            m.child("layerscope_request_queue_time_seconds").observe((sched - arrival) * 1e-9)
-        if first is None or start is None:
-            return
-        ttft = (first - start) * 1e-9
-        m.child("layerscope_time_to_first_token_seconds").observe(ttft)
-        if sched is not None:
-            m.child("layerscope_request_prefill_time_seconds").observe((first - sched) * 1e-9)
-        if fin is None:
-            return
-        e2e = (fin - start) * 1e-9
-        m.child("layerscope_e2e_request_latency_seconds").observe(e2e)
-        m.child("layerscope_request_decode_time_seconds").observe((fin - first) * 1e-9)
-        n = info["num_output_tokens"]
-        if n >= 2:
-            m.child("layerscope_time_per_output_token_seconds").observe((e2e - ttft) / (n - 1))
-            steps = self._steps
-            times = [first] + [steps[i].end_ns - steps[i].output_ns for i in st.sampled_idx[1:]]
-            observe_many(m.child("layerscope_inter_token_latency_seconds"),
-                         [max(b - a, 0) * 1e-9 for a, b in zip(times, times[1:])])
+    def _observe_requests(self, finished: list[_Req]) -> None:
+        """Request-level metrics of finished requests, one bulk update per histogram."""
+        vals: dict[str, list[float]] = {k: [] for k in _REQUEST_HISTOGRAMS}
+        success: dict[str, int] = {}
+        prompt_tokens = 0
+        steps, outer_all = self._steps, self._outer
+        for st in finished:
+            info = st.info
+            ev = _events(st.events)
+            arrival, sched, first, fin = ev.get("arrival"), ev.get("scheduled"), ev.get("first_token"), ev.get("finished")
+            outer = outer_all.get(st.rid)
+            start = outer["gateway_arrival_ns"] if outer and outer.get("gateway_arrival_ns") else arrival
+            reason = _SUCCESS_REASON.get(info["status"], "abort")
+            success[reason] = success.get(reason, 0) + 1
+            prompt_tokens += info["num_prompt_tokens"]
+            if arrival is not None and sched is not None:
+                vals["queue"].append((sched - arrival) * 1e-9)
+            if first is None or start is None:
+                continue
+            ttft = (first - start) * 1e-9
+            vals["ttft"].append(ttft)
+            if sched is not None:
+                vals["prefill"].append((first - sched) * 1e-9)
+            if fin is None:
+                continue
+            e2e = (fin - start) * 1e-9
+            vals["e2e"].append(e2e)
+            vals["decode"].append((fin - first) * 1e-9)
+            n = info["num_output_tokens"]
+            if n >= 2:
+                vals["tpot"].append((e2e - ttft) / (n - 1))
+                prev = first
+                itl = vals["itl"]
+                for i in st.sampled_idx[1:]:
+                    t = steps[i].end_ns - steps[i].output_ns
+                    itl.append(max(t - prev, 0) * 1e-9)
+                    prev = t
+        for key, values in vals.items():
+            if values:
+                observe_many(self._m_req[key], values)
+        for reason, n in success.items():
+            self.metrics.child("layerscope_request_success_total", reason).inc(n)
+        if prompt_tokens:
+            self._m_prompt.inc(prompt_tokens)
 
     # ---- gateway / client side -------------------------------------------------------------
     def set_traceparent(self, request_id: str, traceparent: str) -> None:

@@ -75,7 +75,7 @@ def _events(events: "Sequence[RequestEvent]") -> dict[str, Any]:
     out: dict[str, Any] = {"preempted": []}
     start = None
     for ev in events:
-        t = ev.type.value  # RequestEventType values
+        t = ev.type._value_  # RequestEventType's value (``.value`` is a slow descriptor)
         if t == "arrival":
             out.setdefault("arrival", ev.ts_ns)
         elif t == "scheduled":
