@@ -7,10 +7,9 @@ windows (``profiler.py``) and a py-spy capture of the process (``pyspy.py``).
 
 The step loop only appends: the StepRecord object itself, the request's events, and
 one or two step indices per request per step. Rows, spans and Arrow tables are built
-in ``tables()``, off the hot path. Prometheus gets the steps in batches (every
-``metrics_every_steps`` steps, when the engine goes idle, and before any exposition:
-touching a dozen cold histograms once per step cost more than the rest of the
-recorder), and each request at its finish.
+in ``tables()``, off the hot path. Prometheus gets steps and finished requests in
+batches (``feed.py``: every ``metrics_every_steps`` steps, when the engine goes
+idle, and before any scrape).
 
 Serving across processes: the gateway process runs a recorder with
 ``replica="gateway"`` and calls ``gateway_begin``/``set_request_timestamps``/
@@ -19,16 +18,11 @@ timestamps to the replica, whose recorder gets them through ``set_traceparent`` 
 ``set_request_timestamps``. Each replica hands back ``export()`` (or writes
 ``bundle.write_part``); ``BundleWriter`` merges everything on request_id. Call
 ``configure(config, resolved)`` and ``start()``/``stop()`` around the run.
-
-(About 440 lines: the seam, the gateway-side methods and the row/trace assembly all
-work on the same per-request state; split, they would share private structures.)
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -36,25 +30,13 @@ import pyarrow as pa
 
 from layerscope.engine.recorder import _NULL_CONTEXT, CollectiveRecord, Recorder, StepRecord
 from layerscope.probes import schema
-from layerscope.probes.metrics import GATEWAY_REPLICA, STEP_PHASES, MetricSet, observe_many
-from layerscope.probes.requests import OUTER_FIELDS, Phase, _events, engine_row, finalize_row, gateway_phases
+from layerscope.probes.feed import MetricsFeed
+from layerscope.probes.metrics import GATEWAY_REPLICA
+from layerscope.probes.requests import OUTER_FIELDS, Phase, engine_row, finalize_row, gateway_phases
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
 LEVELS = ("off", "default", "full")
-_PHASE_NS = tuple(f"{p}_ns" for p in STEP_PHASES)  # StepRecord fields, in STEP_PHASES order
-_REQUEST_HISTOGRAMS = {
-    "queue": "layerscope_request_queue_time_seconds",
-    "ttft": "layerscope_time_to_first_token_seconds",
-    "prefill": "layerscope_request_prefill_time_seconds",
-    "e2e": "layerscope_e2e_request_latency_seconds",
-    "decode": "layerscope_request_decode_time_seconds",
-    "tpot": "layerscope_time_per_output_token_seconds",
-    "itl": "layerscope_inter_token_latency_seconds",
-}
-_SUCCESS_REASON = {"finished_stopped": "stop", "finished_length": "length"}
-
-
 class _Req:
     """What the recorder keeps about one request (appended to on the hot path)."""
 
@@ -104,12 +86,8 @@ class ProbeRecorder(Recorder):
         self.start_ns: int | None = None
         self.end_ns: int | None = None
         self._steps: list[StepRecord] = []
-        self.metrics_every_steps = max(1, metrics_every_steps)
-        self._flushed = 0  # steps already observed in Prometheus
-        self._layers_flushed = 0
         self._sampled: list[int] = []  # tokens sampled per step, beside _steps
-        self._finished_pending: deque[_Req] = deque()  # appended by the engine, drained by flushes
-        self._flush_lock = threading.Lock()  # flushes come from the step loop and from scrapes
+        self._feed: MetricsFeed | None = None
         self._coll_ns: dict[int, int] = {}  # rank-0 collective time per step id
         self._layer_times: list[tuple[int, list[tuple[str, int]]]] = []
         self._collectives: list[CollectiveRecord] = []
@@ -126,14 +104,9 @@ class ProbeRecorder(Recorder):
             self.metrics = None
             self.tracer = None
             return
-        if registry is None:
-            from prometheus_client import CollectorRegistry
-
-            registry = CollectorRegistry()
-        registry.register(_FlushOnCollect(self))  # first: a scrape sees every recorded step
-        self.metrics = MetricSet(registry, model_name, replica)
+        self._feed = MetricsFeed(registry, model_name, replica, metrics_every_steps, self)
+        self.metrics = self._feed.metrics
         self.tracer = RequestTracer("layerscope", replica, otlp)
-        self._bind_metrics()
         if level == "full":
             import tempfile
 
@@ -147,21 +120,6 @@ class ProbeRecorder(Recorder):
             self.profiler = ProfilerWindows(self.trace_dir, self._replica_col, profile_every_steps,
                                             profile_num_steps, profile_max_windows, self._on_window)
             self.pyspy = PySpy(self.trace_dir, rate=pyspy_rate) if pyspy else None
-
-    def _bind_metrics(self) -> None:
-        m = self.metrics
-        self._m_phase = [m.child("layerscope_step_phase_seconds", p) for p in STEP_PHASES]
-        self._m_batch = m.child("layerscope_batch_tokens")
-        self._m_running = m.child("layerscope_num_requests_running")
-        self._m_waiting = m.child("layerscope_num_requests_waiting")
-        self._m_kv = m.child("layerscope_kv_cache_usage_perc")
-        self._m_queries = m.child("layerscope_prefix_cache_queries_total")
-        self._m_hits = m.child("layerscope_prefix_cache_hits_total")
-        self._m_preempt = m.child("layerscope_num_preemptions_total")
-        self._m_gen = m.child("layerscope_generation_tokens_total")
-        self._m_layer: dict[str, Any] = {}
-        self._m_req = {k: m.child(name) for k, name in _REQUEST_HISTOGRAMS.items()}
-        self._m_prompt = m.child("layerscope_prompt_tokens_total")
 
     # ---- run lifecycle ---------------------------------------------------------------
     def configure(self, config=None, resolved=None) -> None:
@@ -237,56 +195,13 @@ class ProbeRecorder(Recorder):
         self._sampled.append(sampled)
         if layer_times:
             self._layer_times.append((step.step_id, layer_times))
-        if len(self._steps) - self._flushed >= self.metrics_every_steps or not (step.num_running or step.num_waiting):
-            self.flush_metrics()
+        self._feed.step_recorded(len(self._steps), not (step.num_running or step.num_waiting), self)
 
     def flush_metrics(self) -> None:
-        """Put the steps recorded since the last flush into Prometheus (the step loop calls this every
-        ``metrics_every_steps`` steps and when the engine goes idle; ``metrics_text()`` always does)."""
-        if not self.enabled:
-            return
-        with self._flush_lock:
-            self._flush()
-
-    def _flush(self) -> None:
-        pending, finished = self._finished_pending, []
-        while pending:
-            finished.append(pending.popleft())
-        if finished:
-            self._observe_requests(finished)
-        end = len(self._steps)
-        if self._flushed == end:
-            return
-        steps = self._steps[self._flushed:end]
-        sampled = sum(self._sampled[self._flushed:end])
-        self._flushed = end
-        ph = self._m_phase
-        for child, attr in zip(ph, _PHASE_NS):
-            observe_many(child, [getattr(st, attr) * 1e-9 for st in steps])
-        observe_many(self._m_batch, [st.num_prefill_tokens + st.num_decode_tokens for st in steps])
-        queries = sum(st.num_prefix_queries for st in steps)
-        hits = sum(st.num_prefix_hits for st in steps)
-        preempt = sum(st.num_preemptions for st in steps)
-        last = steps[-1]
-        self._m_running.set(last.num_running)
-        self._m_waiting.set(last.num_waiting)
-        total = last.num_kv_blocks_total
-        self._m_kv.set((total - last.num_kv_blocks_free) / total if total else 0.0)
-        if queries:
-            self._m_queries.inc(queries)
-            self._m_hits.inc(hits)
-        if preempt:
-            self._m_preempt.inc(preempt)
-        if sampled:
-            self._m_gen.inc(sampled)
-        cache = self._m_layer
-        for _, rows in self._layer_times[self._layers_flushed:]:
-            for name, ns in rows:
-                child = cache.get(name)
-                if child is None:
-                    child = cache[name] = self.metrics.child("layerscope_layer_forward_seconds", name)
-                child.observe(ns * 1e-9)
-        self._layers_flushed = len(self._layer_times)
+        """Put what was recorded since the last flush into Prometheus (the step loop does every
+        ``metrics_every_steps`` steps and when the engine goes idle; any scrape does)."""
+        if self._feed is not None:
+            self._feed.flush(self)
 
     def on_collectives(self, records: list[CollectiveRecord]) -> None:
         if not self.enabled:
@@ -296,10 +211,7 @@ class ProbeRecorder(Recorder):
         for r in records:
             if r.rank == 0:
                 coll[r.step_id] = coll.get(r.step_id, 0) + r.duration_ns
-        m = self.metrics
-        for r in records:
-            m.child("layerscope_collective_seconds", r.op).observe(r.duration_ns * 1e-9)
-            m.child("layerscope_collective_wait_seconds").observe(r.wait_ns * 1e-9)
+        self._feed.collectives(records)
 
     def on_request_finished(self, request) -> None:
         if not self.enabled:
@@ -317,56 +229,9 @@ class ProbeRecorder(Recorder):
         }
         st.req = None
         self._done.append(st)
-        self._finished_pending.append(st)  # into Prometheus at the next flush
-        if not self._live:  # the engine has nothing left: publish now, it may stay idle
-            self.flush_metrics()
+        self._feed.request_finished(st, idle=not self._live, recorder=self)
         if self.tracer.otlp:  # a live collector wants spans now, not at bundle write
             self._build(st)
-
-    def _observe_requests(self, finished: list[_Req]) -> None:
-        """Request-level metrics of finished requests, one bulk update per histogram."""
-        vals: dict[str, list[float]] = {k: [] for k in _REQUEST_HISTOGRAMS}
-        success: dict[str, int] = {}
-        prompt_tokens = 0
-        steps, outer_all = self._steps, self._outer
-        for st in finished:
-            info = st.info
-            ev = _events(st.events)
-            arrival, sched, first, fin = ev.get("arrival"), ev.get("scheduled"), ev.get("first_token"), ev.get("finished")
-            outer = outer_all.get(st.rid)
-            start = outer["gateway_arrival_ns"] if outer and outer.get("gateway_arrival_ns") else arrival
-            reason = _SUCCESS_REASON.get(info["status"], "abort")
-            success[reason] = success.get(reason, 0) + 1
-            prompt_tokens += info["num_prompt_tokens"]
-            if arrival is not None and sched is not None:
-                vals["queue"].append((sched - arrival) * 1e-9)
-            if first is None or start is None:
-                continue
-            ttft = (first - start) * 1e-9
-            vals["ttft"].append(ttft)
-            if sched is not None:
-                vals["prefill"].append((first - sched) * 1e-9)
-            if fin is None:
-                continue
-            e2e = (fin - start) * 1e-9
-            vals["e2e"].append(e2e)
-            vals["decode"].append((fin - first) * 1e-9)
-            n = info["num_output_tokens"]
-            if n >= 2:
-                vals["tpot"].append((e2e - ttft) / (n - 1))
-                prev = first
-                itl = vals["itl"]
-                for i in st.sampled_idx[1:]:
-                    t = steps[i].end_ns - steps[i].output_ns
-                    itl.append(max(t - prev, 0) * 1e-9)
-                    prev = t
-        for key, values in vals.items():
-            if values:
-                observe_many(self._m_req[key], values)
-        for reason, n in success.items():
-            self.metrics.child("layerscope_request_success_total", reason).inc(n)
-        if prompt_tokens:
-            self._m_prompt.inc(prompt_tokens)
 
     # ---- gateway / client side -------------------------------------------------------------
     def set_traceparent(self, request_id: str, traceparent: str) -> None:
@@ -498,7 +363,7 @@ class ProbeRecorder(Recorder):
         return sorted(p for p in self.trace_dir.iterdir() if p.is_file())
 
     def _on_window(self, ratio: float) -> None:
-        self.metrics.child("layerscope_launch_gap_ratio").set(ratio)
+        self._feed.launch_gap_ratio(ratio)
 
     @property
     def num_steps(self) -> int:
@@ -521,16 +386,3 @@ def _fill(row: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
             row[k] = v
     return row
 
-
-class _FlushOnCollect:
-    """Registered first in the recorder's registry: any scrape flushes the pending steps first."""
-
-    def __init__(self, recorder: ProbeRecorder):
-        self.recorder = recorder
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        self.recorder.flush_metrics()
-        return []

@@ -1,0 +1,181 @@
+"""MetricsFeed: puts what a ProbeRecorder recorded into its Prometheus metrics, in batches.
+
+The step loop touching a dozen histograms once per step (cold in cache after the
+forward pass) cost more than the rest of the recorder, so steps and finished
+requests are fed every ``every_steps`` steps, when the engine goes idle, and before
+any scrape (a collector registered first in the registry flushes). Flushes come
+from the step loop and from scrape threads, hence the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+
+from layerscope.probes.metrics import STEP_PHASES, MetricSet, observe_many
+from layerscope.probes.requests import _events
+
+if TYPE_CHECKING:
+    from layerscope.engine.recorder import CollectiveRecord
+    from layerscope.probes.recorder import ProbeRecorder
+
+_PHASE_NS = tuple(f"{p}_ns" for p in STEP_PHASES)  # StepRecord fields, in STEP_PHASES order
+_REQUEST_HISTOGRAMS = {
+    "queue": "layerscope_request_queue_time_seconds",
+    "ttft": "layerscope_time_to_first_token_seconds",
+    "prefill": "layerscope_request_prefill_time_seconds",
+    "e2e": "layerscope_e2e_request_latency_seconds",
+    "decode": "layerscope_request_decode_time_seconds",
+    "tpot": "layerscope_time_per_output_token_seconds",
+    "itl": "layerscope_inter_token_latency_seconds",
+}
+_SUCCESS_REASON = {"finished_stopped": "stop", "finished_length": "length"}
+
+
+class _FlushOnCollect:
+    """Registered first in the recorder's registry: a scrape flushes the pending steps first."""
+
+    def __init__(self, feed: "MetricsFeed", recorder: "ProbeRecorder"):
+        self.feed, self.recorder = feed, recorder
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        self.feed.flush(self.recorder)
+        return []
+
+
+class MetricsFeed:
+    def __init__(self, registry: CollectorRegistry | None, model_name: str, replica: str | int, every_steps: int,
+                 recorder: "ProbeRecorder"):
+        registry = registry if registry is not None else CollectorRegistry()
+        registry.register(_FlushOnCollect(self, recorder))
+        self.metrics = m = MetricSet(registry, model_name, replica)
+        self.every_steps = max(1, every_steps)
+        self._flushed = 0  # steps already fed
+        self._layers_flushed = 0
+        self._pending: deque = deque()  # finished requests (appended by the engine thread)
+        self._lock = threading.Lock()
+        self._phase = [m.child("layerscope_step_phase_seconds", p) for p in STEP_PHASES]
+        self._batch = m.child("layerscope_batch_tokens")
+        self._running = m.child("layerscope_num_requests_running")
+        self._waiting = m.child("layerscope_num_requests_waiting")
+        self._kv = m.child("layerscope_kv_cache_usage_perc")
+        self._queries = m.child("layerscope_prefix_cache_queries_total")
+        self._hits = m.child("layerscope_prefix_cache_hits_total")
+        self._preempt = m.child("layerscope_num_preemptions_total")
+        self._gen = m.child("layerscope_generation_tokens_total")
+        self._prompt = m.child("layerscope_prompt_tokens_total")
+        self._req = {k: m.child(name) for k, name in _REQUEST_HISTOGRAMS.items()}
+        self._layer: dict[str, Any] = {}
+
+    # ---- called by the recorder ----
+    def step_recorded(self, num_steps: int, idle: bool, recorder: "ProbeRecorder") -> None:
+        if idle or num_steps - self._flushed >= self.every_steps:
+            self.flush(recorder)
+
+    def request_finished(self, st, idle: bool, recorder: "ProbeRecorder") -> None:
+        self._pending.append(st)
+        if idle:  # the engine has nothing left: publish now, it may stay idle
+            self.flush(recorder)
+
+    def collectives(self, records: "list[CollectiveRecord]") -> None:
+        m = self.metrics
+        for r in records:
+            m.child("layerscope_collective_seconds", r.op).observe(r.duration_ns * 1e-9)
+            m.child("layerscope_collective_wait_seconds").observe(r.wait_ns * 1e-9)
+
+    def launch_gap_ratio(self, ratio: float) -> None:
+        self.metrics.child("layerscope_launch_gap_ratio").set(ratio)
+
+    def flush(self, recorder: "ProbeRecorder") -> None:
+        """Feed the recorder's steps, layer times and finished requests recorded since the last flush."""
+        with self._lock:
+            finished = []
+            while self._pending:
+                finished.append(self._pending.popleft())
+            if finished:
+                self._requests(finished, recorder)
+            end = len(recorder._steps)
+            if self._flushed < end:
+                self._steps(recorder, end)
+
+    # ---- feeding ----
+    def _steps(self, recorder: "ProbeRecorder", end: int) -> None:
+        steps = recorder._steps[self._flushed:end]
+        sampled = sum(recorder._sampled[self._flushed:end])
+        self._flushed = end
+        for child, attr in zip(self._phase, _PHASE_NS):
+            observe_many(child, [getattr(st, attr) * 1e-9 for st in steps])
+        observe_many(self._batch, [st.num_prefill_tokens + st.num_decode_tokens for st in steps])
+        queries = sum(st.num_prefix_queries for st in steps)
+        if queries:
+            self._queries.inc(queries)
+            self._hits.inc(sum(st.num_prefix_hits for st in steps))
+        preempt = sum(st.num_preemptions for st in steps)
+        if preempt:
+            self._preempt.inc(preempt)
+        if sampled:
+            self._gen.inc(sampled)
+        last = steps[-1]
+        self._running.set(last.num_running)
+        self._waiting.set(last.num_waiting)
+        total = last.num_kv_blocks_total
+        self._kv.set((total - last.num_kv_blocks_free) / total if total else 0.0)
+        layer_times = recorder._layer_times
+        for _, rows in layer_times[self._layers_flushed:]:
+            for name, ns in rows:
+                child = self._layer.get(name)
+                if child is None:
+                    child = self._layer[name] = self.metrics.child("layerscope_layer_forward_seconds", name)
+                child.observe(ns * 1e-9)
+        self._layers_flushed = len(layer_times)
+
+    def _requests(self, finished: list, recorder: "ProbeRecorder") -> None:
+        """Request-level metrics of finished requests, one bulk update per histogram."""
+        vals: dict[str, list[float]] = {k: [] for k in _REQUEST_HISTOGRAMS}
+        success: dict[str, int] = {}
+        prompt_tokens = 0
+        steps, outer_all = recorder._steps, recorder._outer
+        for st in finished:
+            info = st.info
+            ev = _events(st.events)
+            arrival, sched, first, fin = ev.get("arrival"), ev.get("scheduled"), ev.get("first_token"), ev.get("finished")
+            outer = outer_all.get(st.rid)
+            # server-side latencies run from the gateway arrival when the gateway told us about it
+            start = outer["gateway_arrival_ns"] if outer and outer.get("gateway_arrival_ns") else arrival
+            reason = _SUCCESS_REASON.get(info["status"], "abort")
+            success[reason] = success.get(reason, 0) + 1
+            prompt_tokens += info["num_prompt_tokens"]
+            if arrival is not None and sched is not None:
+                vals["queue"].append((sched - arrival) * 1e-9)
+            if first is None or start is None:
+                continue
+            ttft = (first - start) * 1e-9
+            vals["ttft"].append(ttft)
+            if sched is not None:
+                vals["prefill"].append((first - sched) * 1e-9)
+            if fin is None:
+                continue
+            e2e = (fin - start) * 1e-9
+            vals["e2e"].append(e2e)
+            vals["decode"].append((fin - first) * 1e-9)
+            n = info["num_output_tokens"]
+            if n >= 2:
+                vals["tpot"].append((e2e - ttft) / (n - 1))
+                prev, itl = first, vals["itl"]
+                for i in st.sampled_idx[1:]:  # token times: the end of sampling in its step
+                    t = steps[i].end_ns - steps[i].output_ns
+                    itl.append(max(t - prev, 0) * 1e-9)
+                    prev = t
+        for key, values in vals.items():
+            if values:
+                observe_many(self._req[key], values)
+        for reason, n in success.items():
+            self.metrics.child("layerscope_request_success_total", reason).inc(n)
+        if prompt_tokens:
+            self._prompt.inc(prompt_tokens)
