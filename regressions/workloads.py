@@ -88,7 +88,7 @@ class WorkloadSpec:
     # agentic
     num_sessions: int = 8
     turns_per_session: int = 4
-    num_agents: int = 2  # distinct system prompts (apps) the sessions are spread over
+    num_agents: int = 4  # distinct system prompts (apps) the sessions are spread over
     system_prompt_len: int = 192
     tools_len: int = 96
     turn_input_len: int = 24  # new user/tool text per turn
@@ -278,7 +278,8 @@ class _Builder:
         agents = []
         for a in range(s.num_agents):
             rng = random.Random(f"{s.seed}-agent-{a}")
-            system = f"You are agent {a}, an assistant that plans and calls tools. " + self.text(s.system_prompt_len, rng)
+            # each app's prompt differs from its first words (its own first KV block)
+            system = self.text(s.system_prompt_len, rng) + f"\nYou are agent {a}: plan, then call tools."
             tools = [{"name": f"{rng.choice(_WORDS)}_{rng.choice(_WORDS)}_{k}",
                       "description": self.text(max(4, s.tools_len // 4), rng),
                       "parameters": {"type": "object", "properties": {rng.choice(_WORDS): {"type": "string"}}}}
