@@ -156,7 +156,8 @@ class Phase:
     label: str  # e.g. "prefill (3 chunks, steps 9021-9023)"
     start_s: float  # from arrival
     duration_s: float
-    share: float  # of E2E
+    share: float  # of E2E (of the phases' total when there is no E2E)
+    start_share: float  # start_s on the same scale: where the phase's bar begins
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,9 @@ def _times(r: pd.Series) -> dict[str, float]:
     arrival = r["gateway_arrival_ns"] if not _nan(r["gateway_arrival_ns"]) else r["engine_arrival_ns"]
     out = {k[:-3]: (float(r[k]) - float(arrival)) / 1e9 for k in r.index if k.endswith("_ns")}
     out["end"] = float(r["e2e_s"])
+    if math.isnan(out["end"]):  # no last token (rejected, failed): its life ends at its last server-side event
+        known = [v for k, v in out.items() if k.startswith(("gateway_", "engine_")) and not math.isnan(v)]
+        out["end"] = max(known) if known else np.nan
     out["ttft"] = float(r["ttft_s"])
     return out
 
@@ -282,15 +286,12 @@ def _phases(r: pd.Series, t: dict[str, float], steps: pd.DataFrame) -> list[Phas
               ("decode", decode, first_tok, finished),
               ("engine.output", "engine.output", finished, e2e)]
     if math.isnan(t["engine_arrival"]):  # never reached the engine: all of it waited at the gateway
-        bounds = [("gateway.queue", "gateway.queue", t["gateway_arrival"], e2e if not math.isnan(e2e) else np.nan)]
-    out = []
-    total = e2e if e2e > 0 else np.nan
-    for name, label, lo, hi in bounds:
-        if math.isnan(lo) or math.isnan(hi):
-            continue
-        d = max(hi - lo, 0.0)
-        out.append(Phase(name, label, lo, d, d / total if total == total else np.nan))
-    return out
+        bounds = [("gateway.queue", "gateway.queue", t["gateway_arrival"], e2e)]
+    spans = [(name, label, lo, max(hi - lo, 0.0)) for name, label, lo, hi in bounds
+             if not math.isnan(lo) and not math.isnan(hi)]
+    total = float(r["e2e_s"]) if float(r["e2e_s"]) > 0 else sum(d for *_, d in spans)
+    return [Phase(name, label, lo, d, d / total if total > 0 else np.nan, lo / total if total > 0 else 0.0)
+            for name, label, lo, d in spans]
 
 
 def _step_range(st: pd.DataFrame) -> str:
@@ -333,7 +334,7 @@ def request_events(a: RunAnalysis, row: int, t: dict[str, float] | None = None,
     add("gateway_finished", "finished streaming", "gateway")
     add("client_done", "done", "client")
     if isinstance(r["error"], str) and r["error"]:
-        ev.append((t["end"] if not math.isnan(t["end"]) else 0.0, "error", r["error"]))
+        ev.append((t["end"] if not math.isnan(t["end"]) else 0.0, str(r["status"]), r["error"]))
     df = pd.DataFrame(ev, columns=["at_s", "event", "detail"])
     return df.sort_values("at_s", kind="stable").reset_index(drop=True)
 

@@ -13,6 +13,7 @@ from textual.widgets import DataTable, Footer, Header, LoadingIndicator
 from layerscope.diagnose.tui.diagnosis import Diagnosis
 from layerscope.diagnose.tui.messages import RequestsReady
 from layerscope.diagnose.tui.request_table import RequestTable
+from layerscope.diagnose.tui.requests_screen import PAGE_ROWS
 
 SIDES = ("baseline", "candidate")
 SIDE_COLUMNS = ("request_id", "ttft_s", "tpot_s", "e2e_s", "queue_s", "num_preemptions", "dominant_layer")
@@ -71,7 +72,9 @@ class CompareScreen(Screen):
                               f"{len(message.table):,} requests")
         table.border_subtitle = "enter: detail  tab: other run"
         self.tables[message.index] = message.table
-        table.show(message.table)
+        table.show(message.table.iloc[:PAGE_ROWS])
+        if len(message.table) > PAGE_ROWS:
+            table.border_title += f" (the slowest {PAGE_ROWS:,})"
         if message.index == 1:
             table.focus()
 

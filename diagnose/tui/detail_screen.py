@@ -85,7 +85,7 @@ class DetailScreen(Screen):
         self.sub_title = f"{view.name}  ·  request {d.request_id}" + (f" ({pos} of {len(self.order)})" if pos else "")
         self.query_one("#detail-title", Static).update(_title(d))
         self.query_one("#waterfall", Bars).set_rows([
-            BarRow(p.label, p.share, p.duration_s, start=p.start_s / d.e2e_s if d.e2e_s > 0 else 0.0,
+            BarRow(p.label, p.share, p.duration_s, start=p.start_share,
                    mark="← dominant" if p.name == d.dominant_phase else "") for p in d.phases])
         self.query_one("#by-layer", Bars).set_rows([
             BarRow(r.layer, r.share, r.duration_s, mark="← dominant" if r.layer == d.dominant_layer else "")

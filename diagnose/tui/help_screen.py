@@ -40,7 +40,7 @@ class HelpScreen(ModalScreen):
             if binding.key in seen:
                 continue
             seen.add(binding.key)
-            keys.add_row(_key_label(binding.key), binding.description or binding.action)
+            keys.add_row(binding.key_display or _key_label(binding.key), binding.description or binding.action)
         keys.add_row("↑ ↓ pgup pgdn", "move")
         parts = [Text("keys", style="bold underline"), keys]
         if type(self.under).__name__ == "RequestsScreen":

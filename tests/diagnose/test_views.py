@@ -70,6 +70,7 @@ def test_waterfall_of_the_preempted_request(tp):
                                           "engine.output"]
     assert [p.duration_s for p in d.phases] == pytest.approx([2 * MS, 1 * MS, 1 * MS, 7 * MS, 36 * MS, 2 * MS])
     assert [p.start_s for p in d.phases] == pytest.approx([0, 2 * MS, 3 * MS, 4 * MS, 11 * MS, 47 * MS])
+    assert d.phases[-1].start_share == pytest.approx(47 / 49)
     assert sum(p.share for p in d.phases) == pytest.approx(1.0)
     assert d.dominant_phase == "decode"
     assert d.phases[3].label == "prefill (1 chunk, step 0)"
@@ -120,6 +121,45 @@ def test_offline_request_has_no_gateway_phases():
     assert [p.duration_s for p in d.phases] == pytest.approx([2 * MS, 5 * MS, 14 * MS, 0.0])
     assert d.events["event"].tolist() == ["queued", "scheduled", "first token", "finished"]
     assert d.model_rows.empty and d.kernels["num_steps"] == 0
+
+
+def rejected_bundle(tmp: Path) -> Path:
+    """The golden TP bundle with E rejected at the gateway (after 2 ms): no engine timestamps,
+    no latency, in no step."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = tmp / "rejected"
+    shutil.copytree(TP, p)
+    t = pq.read_table(p / "requests.parquet")
+    rows = t.to_pydict()
+    i = rows["request_id"].index("E")
+    for k in rows:
+        if k.endswith(("_ns", "_s")) and k not in ("client_send_ns", "gateway_arrival_ns", "gateway_admitted_ns"):
+            rows[k][i] = None
+    rows["status"][i], rows["error"][i], rows["num_output_tokens"][i] = "rejected", "gateway queue full", 0
+    pq.write_table(pa.Table.from_pydict(rows, schema=t.schema), p / "requests.parquet")
+    s = pq.read_table(p / "steps.parquet")
+    rows = s.to_pydict()
+    for ids, toks in zip(rows["request_ids"], rows["request_num_tokens"]):
+        if "E" in ids:
+            toks.pop(ids.index("E"))
+            ids.remove("E")
+    pq.write_table(pa.Table.from_pydict(rows, schema=s.schema), p / "steps.parquet")
+    return p
+
+
+def test_a_rejected_request(tmp_path):
+    v = open_run(rejected_bundle(tmp_path))
+    assert list(v.requests["request_id"]) == ["C", "D", "E"]  # no E2E: last
+    d = v.detail("E")
+    assert [(p.name, p.duration_s, p.share) for p in d.phases] == [("gateway.queue", pytest.approx(2 * MS), 1.0)]
+    assert list(d.events["event"]) == ["sent", "arrived", "admitted", "rejected"]
+    assert d.events["detail"].iloc[-1] == "gateway queue full"
+    assert d.steps.empty and d.model_rows.empty and d.kernels["num_steps"] == 0
+    assert filter_requests(v.requests, "status=rejected")["request_id"].tolist() == ["E"]
 
 
 def test_unknown_request_raises_key_error(tp):

@@ -77,3 +77,14 @@ def runs_folder(make_app, tmp_path, monkeypatch):
 def anyio_backend():
     """async tests run on asyncio (anyio's pytest plugin; Textual runs on asyncio)."""
     return "asyncio"
+
+
+@pytest.fixture
+def rejected_bundle(tmp_path):
+    """The golden TP bundle with request E rejected at the gateway (tests/diagnose/test_views.py makes it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_test_views", REPO / "tests" / "diagnose" / "test_views.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.rejected_bundle(tmp_path)

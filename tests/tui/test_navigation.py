@@ -275,3 +275,44 @@ def _bad_manifest(tmp):
     (p / "manifest.json").write_text("{ not json")
     return p
 
+
+
+
+async def test_a_rejected_request_has_a_detail_too(make_app, rejected_bundle):
+    app = make_app([str(rejected_bundle)])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("r")
+        await settle(pilot)
+        await pilot.press("slash", *"status=rejected", "enter", "enter")
+        await settle(pilot)
+        assert isinstance(app.screen, DetailScreen) and app.screen.request_id == "E"
+        assert "rejected" in text(app.screen.query_one("#detail-title"))
+        assert [r.label for r in app.screen.query_one("#waterfall", Bars).rows] == ["gateway.queue"]
+        assert "gateway queue full" in text(app.screen.query_one("#events"))
+        assert app.screen.query_one("#steps", DataTable).row_count == 0
+
+
+async def test_pages_of_the_request_table(make_app, monkeypatch):
+    from layerscope.diagnose.tui import requests_screen
+
+    monkeypatch.setattr(requests_screen, "PAGE_ROWS", 2)  # 3 requests: two pages
+    app = make_app([GOLDEN])
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot)
+        await pilot.press("r")
+        await settle(pilot)
+        table = app.screen.query_one("#requests", DataTable)
+        assert table_column(table, "request_id") == ["C", "D"]
+        assert "rows 1-2 (page 1 of 2" in text(app.screen.query_one("#requests-status"))
+        await pilot.press("right_square_bracket")
+        assert table_column(table, "request_id") == ["E"]
+        await pilot.press("right_square_bracket")  # no page 3
+        assert table_column(table, "request_id") == ["E"]
+        await pilot.press("enter")
+        await settle(pilot)
+        assert app.screen.request_id == "E" and app.screen.order == ["C", "D", "E"]  # n/p cross pages
+        await pilot.press("escape", "left_square_bracket")
+        assert table_column(table, "request_id") == ["C", "D"]
+        await pilot.press("o")  # a new sort starts at page 1
+        assert app.screen.page == 0

@@ -5,7 +5,6 @@ report (snapshot_report.html)."""
 
 from __future__ import annotations
 
-import pytest
 
 from .conftest import GOLDEN, settle
 
