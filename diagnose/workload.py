@@ -9,7 +9,8 @@ a workload change.
 
 A feature changed materially when its relative change reaches ``MATERIAL_PCT`` and
 a test says it is not noise (Mann-Whitney on the per-request samples, p < 0.001);
-the manifest's workload spec differing in any key other than the seed counts too.
+the manifest's workload spec differing in a field that shapes the load counts too
+(not the seed, name, request count or SLOs, nor fields of another kind of workload).
 """
 
 from __future__ import annotations
@@ -128,9 +129,29 @@ def workload_diff(base: Run, cand: Run) -> pd.DataFrame:
             continue
         rows.append({"feature": f"spec.{key}", "baseline": sa.get(key), "candidate": sb.get(key),
                      "delta_pct": _spec_pct(sa.get(key), sb.get(key)),
-                     "material": key not in ("name", "num_requests", "duration_s", "description"),
-                     "note": "workload spec"})
+                     "material": _spec_key_matters(key, sa, sb), "note": "workload spec"})
     return pd.DataFrame(rows, columns=DIFF_COLUMNS)
+
+
+# spec fields that shape only one kind of workload (layerscope.regressions.workloads.WorkloadSpec)
+KIND_ONLY = {
+    "agentic": {"num_sessions", "turns_per_session", "num_agents", "system_prompt_len", "tools_len",
+                "turn_input_len", "think_time_s"},
+    "burst": {"burst_size", "burst_interval_s"},
+}
+NOT_LOAD = {"name", "num_requests", "duration_s", "description", "slo", "slo_ttft_s", "slo_tpot_s", "slo_e2e_s"}
+
+
+def _spec_key_matters(key: str, sa: dict[str, Any], sb: dict[str, Any]) -> bool:
+    """A differing spec field changes the offered load unless it is bookkeeping (name, SLOs,
+    request count) or belongs to another kind of workload than both runs'."""
+    if key in NOT_LOAD:
+        return False
+    kinds = {sa.get("kind"), sb.get("kind")}
+    for kind, fields in KIND_ONLY.items():
+        if key in fields and kind not in kinds:
+            return False
+    return True
 
 
 def _big(a: float, b: float, pct: float = MATERIAL_PCT) -> bool:
