@@ -70,6 +70,15 @@ def single_lines(s: dict[str, Any]) -> list[tuple[str, Any]]:
     shares = [r for r in s["time_shares"] if r["share"] and r["share"] >= 0.005]
     blocks.append(("heading", "where time goes (share of all request time)"))
     blocks.append(("text", "   ".join(f"{r['layer']} {r['share'] * 100:.0f}%" for r in shares)))
+    ttft = [r for r in s["ttft_shares"] if r["share"] and r["share"] >= 0.005]
+    blocks.append(("text", "TTFT: " + "   ".join(f"{r['layer']} {r['share'] * 100:.0f}%" for r in ttft)))
+    tc = s.get("tpot_composition") or {}
+    if tc.get("count"):
+        blocks.append(("text", f"TPOT (median request): {fmt_s(tc['tpot_s'])} = its decode steps "
+                               f"{fmt_s(tc['tpot_step_s'])} (of which prefill chunks sharing them "
+                               f"{fmt_s(tc['tpot_prefill_interference_s'])}; {fmt_pct(100 * (tc['mixed_step_share'] or 0))}"
+                               f" of its steps mixed) + stalls {fmt_s(tc['tpot_stall_s'])}; "
+                               f"batch {tc['mean_batch_seqs']:.1f} seqs"))
     if s["layer_rows"]:
         blocks.append(("heading", "model time per layer row (timed steps)"))
         rows = sorted(s["layer_rows"], key=lambda r: -(r["mean_s"] or 0))[:8]

@@ -76,6 +76,7 @@ def summarize(run: Run | str | Path | RunAnalysis, slo: dict[str, float] | None 
         "time_shares": _records(decompose.time_shares(ok, "e2e")),
         "ttft_shares": _records(decompose.time_shares(ok, "ttft")),
         "step_composition": _records(decompose.step_composition(a.run)),
+        "tpot_composition": _tpot_composition(a),
         "layer_rows": _records(a.layer_rows),
         "kernels": {"summary": {k: _num(v) for k, v in ks.items()}, "top": _records(model.top_kernels(a.run, top))},
         "collectives": _records(a.collective_ranks),
@@ -83,6 +84,18 @@ def summarize(run: Run | str | Path | RunAnalysis, slo: dict[str, float] | None 
         "indicators": {k: _num(v) for k, v in ind.items()},
         "findings": detect(a),
     }
+
+
+def _tpot_composition(a: RunAnalysis) -> dict[str, Any]:
+    """Median request's decode phase: TPOT and its parts (seconds per output token)."""
+    tb = a.tpot_breakdown
+    tb = tb[tb["tpot_s"].notna()]
+    out: dict[str, Any] = {"count": int(len(tb))}
+    for c in ("tpot_s", "tpot_step_s", "tpot_prefill_interference_s", "tpot_stall_s", "mean_batch_seqs"):
+        out[c] = float(tb[c].median()) if len(tb) else None
+    out["mixed_step_share"] = float((tb["num_mixed_steps"] / tb["num_decode_steps"].where(tb["num_decode_steps"] > 0))
+                                    .median()) if len(tb) else None
+    return out
 
 
 def _num(v: Any) -> Any:
