@@ -14,6 +14,9 @@ grows in one layer row (model.forward), in kernels or launch gaps
 forward time scales with batch tokens), or because steps carry more tokens (the
 batch composition: prefix cache, recomputation, config or workload). Each rule
 needs evidence from both runs' measurements and returns it as text.
+
+(Longer than 400 lines on purpose: the cause rules call each other and share one
+context, both runs' analyses; split apart they would be harder to check as a whole.)
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ layer (``gateway_delay_s`` -> gateway.queue, ``step_overhead_s`` -> engine.sched
 The scheduler mirrors the engine's: running requests first (decodes and prefill
 chunks, preempting the newest on KV exhaustion), then waiting ones FCFS within
 ``max_num_seqs``, the token budget and free KV blocks. Durations in seconds.
+
+(Over 400 lines: the simulator and the writer of its tables are kept together so one
+file shows exactly what each column of a synthetic bundle means.)
 """
 
 from __future__ import annotations
