@@ -159,7 +159,7 @@ class RequestTracer:
     # ---- a root span opened early: the gateway hands its traceparent to a replica ----
     def open_root(self, request_id: str, name: str, start_ns: int, traceparent: str | None = None) -> str:
         """Start ``request_id``'s root span now; return its traceparent to pass downstream."""
-        span = self._start(request_id, Phase(name, None, start_ns), self._parent_context(traceparent))
+        span = self._start(request_id, Phase(name, None, start_ns, start_ns), self._parent_context(traceparent))
         self._open[request_id] = span
         return format_traceparent(span)
 
