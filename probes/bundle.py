@@ -220,6 +220,11 @@ class BundleWriter:
             self._extra_fields.append(dict(r))
         return self
 
+    def add_metrics_text(self, text: str) -> "BundleWriter":
+        """A Prometheus exposition to merge into metrics.prom (e.g. a scrape of a server without recorders)."""
+        self._metrics.append(text)
+        return self
+
     def request_rows(self) -> list[dict[str, Any]]:
         """The merged, finalized request rows, in arrival order."""
         merged: dict[str, dict[str, Any]] = {}
