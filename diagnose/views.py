@@ -119,7 +119,8 @@ def filter_requests(df: pd.DataFrame, query: str) -> pd.DataFrame:
     for term in query.split():
         m = _TERM.match(term)
         if not m:
-            text = df["request_id"].astype(str) + " " + df["status"].astype(str) + " " + df["dominant_layer"].astype(str)
+            text = (df["request_id"].astype(str) + " " + df["status"].astype(str) + " "
+                    + df["dominant_layer"].astype(str))
             mask &= text.str.contains(term, case=False, regex=False).to_numpy()
             continue
         field, op, value = m.groups()

@@ -52,6 +52,7 @@ class LayerscopeApp(App[int]):
         self.comparison = None  # comparison.Comparison once two runs are compared
         self.comparison_error: str | None = None
         self.opened_s: dict[int, float] = {}  # seconds from open_runs() to each run's RunOpened
+        self.opening = 0  # counts open_runs calls: results of an earlier one are dropped
         self.exit_code = 0
 
     def on_mount(self) -> None:
@@ -72,38 +73,42 @@ class LayerscopeApp(App[int]):
         self.views = [None] * len(paths)
         self.comparison, self.comparison_error = None, None
         self.opened_s = {}
+        self.opening += 1
+        self.exit_code = 0
         self.push_screen(OverviewScreen(len(paths) - 1))
         if len(paths) == 2:
             self.push_screen(CompareScreen())
         prefetched, self._prefetch = self._prefetch, None
         if prefetched is None or prefetched[0] != tuple(self.run_paths):
             prefetched = _start_opening(self.run_paths)
-        self._open(prefetched, self.clock())
+        self._open(prefetched, self.clock(), self.opening)
 
     @work(thread=True, exclusive=True, group="open")
-    def _open(self, opening: tuple[tuple[str, ...], list[Future]], t0: float) -> None:
-        paths, futures = opening
+    def _open(self, prefetched: tuple[tuple[str, ...], list[Future]], t0: float, opening: int) -> None:
+        paths, futures = prefetched
         views = [None] * len(paths)
         for i in reversed(range(len(paths))):
             try:
                 views[i] = futures[i].result()
             except RunError as e:
-                self.post_message(RunFailed(paths[i], str(e)))
+                self.post_message(RunFailed(paths[i], str(e), opening))
                 return
             except Exception as e:  # a bundle diagnose cannot analyse: say so, never a traceback
-                self.post_message(RunFailed(paths[i], f"could not analyse the run: {type(e).__name__}: {e}"))
+                self.post_message(RunFailed(paths[i], f"could not analyse the run: {type(e).__name__}: {e}",
+                                            opening))
                 return
-            self.post_message(RunOpened(i, views[i], self.clock() - t0))
+            self.post_message(RunOpened(i, views[i], self.clock() - t0, opening))
         if len(paths) == 2:
             from layerscope.diagnose.comparison import compare
 
             try:
-                self.post_message(ComparisonReady(compare(views[0].analysis, views[1].analysis)))
+                comparison = compare(views[0].analysis, views[1].analysis)
+                self.post_message(ComparisonReady(comparison, opening=opening))
             except Exception as e:
-                self.post_message(ComparisonReady(error=f"{type(e).__name__}: {e}"))
+                self.post_message(ComparisonReady(error=f"{type(e).__name__}: {e}", opening=opening))
 
     def on_run_opened(self, message: RunOpened) -> None:
-        if message.index >= len(self.views):
+        if message.opening != self.opening:
             return
         self.views[message.index] = message.view
         self.opened_s[message.index] = message.elapsed_s
@@ -114,6 +119,8 @@ class LayerscopeApp(App[int]):
     def on_run_failed(self, message: RunFailed) -> None:
         from layerscope.diagnose.tui.error_screen import ErrorScreen
 
+        if message.opening != self.opening:
+            return
         self.exit_code = 2
         # the screens waiting for this run have nothing to show: the error takes their place
         while len(self.screen_stack) > 1 and ("run-screen" in self.screen.classes
@@ -122,6 +129,8 @@ class LayerscopeApp(App[int]):
         self.push_screen(ErrorScreen(message.path, message.error))
 
     def on_comparison_ready(self, message: ComparisonReady) -> None:
+        if message.opening != self.opening:
+            return
         self.comparison, self.comparison_error = message.comparison, message.error
         for screen in self.screen_stack:
             if hasattr(screen, "comparison_ready"):

@@ -49,8 +49,8 @@ class DetailScreen(Screen):
             yield Bars(id="by-layer", relative=True)
             yield Static(id="events")
             yield DataTable(id="steps", cursor_type="row", zebra_stripes=True)
-            yield Bars(id="model-rows", relative=True, empty="no layer timings on its steps (layer timing samples every "
-                                                 "layer_timing_interval steps)")
+            yield Bars(id="model-rows", relative=True,
+                       empty="no layer timings on its steps (layer timing samples every layer_timing_interval steps)")
             yield Static(id="kernels")
         yield Footer()
 

@@ -13,8 +13,9 @@ if TYPE_CHECKING:  # pandas is imported by the worker, not on the UI thread's st
 class RunOpened(Message):
     """Run number ``index`` (0: baseline or the only run) is loaded and its report computed."""
 
-    def __init__(self, index: int, view: Any, elapsed_s: float) -> None:
+    def __init__(self, index: int, view: Any, elapsed_s: float, opening: int = 0) -> None:
         super().__init__()
+        self.opening = opening  # which App.open_runs call this answers (a later one supersedes it)
         self.index = index
         self.view = view  # layerscope.diagnose.views.RunView
         self.elapsed_s = elapsed_s  # since the app started opening it
@@ -23,8 +24,9 @@ class RunOpened(Message):
 class RunFailed(Message):
     """A run could not be opened (missing, corrupt, unknown schema) or analysed."""
 
-    def __init__(self, path: str, error: str) -> None:
+    def __init__(self, path: str, error: str, opening: int = 0) -> None:
         super().__init__()
+        self.opening = opening
         self.path = path
         self.error = error
 
@@ -32,8 +34,9 @@ class RunFailed(Message):
 class ComparisonReady(Message):
     """diagnose.compare finished (``comparison``), or failed (``error``)."""
 
-    def __init__(self, comparison: Any = None, error: str | None = None) -> None:
+    def __init__(self, comparison: Any = None, error: str | None = None, opening: int = 0) -> None:
         super().__init__()
+        self.opening = opening
         self.comparison = comparison  # layerscope.diagnose.comparison.Comparison
         self.error = error
 

@@ -5,7 +5,6 @@ report (snapshot_report.html)."""
 
 from __future__ import annotations
 
-
 from .conftest import GOLDEN, settle
 
 SIZE = (120, 40)
