@@ -82,7 +82,8 @@ class DetailScreen(Screen):
         self.detail = d = message.detail
         view = self.app.views[self.run_index]
         pos = self.order.index(d.request_id) + 1 if d.request_id in self.order else 0
-        self.sub_title = f"{view.name}  ·  request {d.request_id}" + (f" ({pos} of {len(self.order)})" if pos else "")
+        self.sub_title = (f"{view.name}  ·  request {d.request_id}"
+                          + (f" ({pos:,} of {len(self.order):,})" if pos else ""))
         self.query_one("#detail-title", Static).update(_title(d))
         self.query_one("#waterfall", Bars).set_rows([
             BarRow(p.label, p.share, p.duration_s, start=p.start_share,
