@@ -51,9 +51,10 @@ def analyse(result: RegressResult) -> None:
                     continue
                 comp = pooled.compare_versions([r.analysis for r in runs[base.label]],
                                                [r.analysis for r in runs[v.label]], result.slo)
+                reps = lambda label, m: cell["versions"][label]["metrics"][m]["per_repetition"]  # noqa: E731
                 cell["comparisons"][v.label] = {
-                    m: _gate(m, comp[m], suite.thresholds.get(m), cell["versions"][base.label]["metrics"][m]["per_repetition"],
-                             cell["versions"][v.label]["metrics"][m]["per_repetition"]) for m in METRICS}
+                    m: _gate(m, comp[m], suite.thresholds.get(m), reps(base.label, m), reps(v.label, m))
+                    for m in METRICS}
                 regressed = [m for m, g in cell["comparisons"][v.label].items() if g["status"] == "regressed"]
                 if regressed:
                     cell["diagnoses"][v.label] = _diagnose(runs[base.label], runs[v.label], regressed[0], result.slo)

@@ -290,6 +290,11 @@ def _measure(run: PlannedRun, result: RegressResult) -> None:
     except (RunError, KeyError, ValueError) as e:
         run.status, run.error = "failed", f"bundle {run.bundle}: {e}"
         return
+    if not len(a.ok):  # nothing to measure: every request failed
+        errors = a.run.requests["error"].dropna()
+        first = f": {errors.iloc[0]}" if len(errors) else ""
+        run.status, run.error = "failed", f"no request finished ({len(a.run.requests)} requests){first}"
+        return
     run.status, run.analysis = "ok", a
 
 

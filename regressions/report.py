@@ -86,11 +86,14 @@ def blocks(result) -> list[tuple[str, Any]]:
     for v in result.versions[1:]:
         out += _config_blocks(result, v)
     out.append(("h2", "Runs"))
-    rows = [[r.version.label, r.workload, r.config, str(r.repetition), r.status,
-             f"{r.wall_s:.1f}" if r.wall_s else "-", fmt_value("ttft_p50_s", r.figures.get("ttft_p50_s")),
-             fmt_value("output_tokens_per_s", r.figures.get("output_tokens_per_s")),
-             str(Path(r.bundle).relative_to(result.session_dir)) if r.status == "ok" else (r.error or "").splitlines()[0]]
-            for r in result.runs]
+    rows = []
+    for r in result.runs:
+        ok = r.status == "ok"
+        status = f"ok ({r.figures.get('requests_ok')}/{r.figures.get('requests')} requests)" if ok else r.status
+        where = str(Path(r.bundle).relative_to(result.session_dir)) if ok else (r.error or "").splitlines()[0]
+        rows.append([r.version.label, r.workload, r.config, str(r.repetition), status,
+                     f"{r.wall_s:.1f}" if r.wall_s else "-", fmt_value("ttft_p50_s", r.figures.get("ttft_p50_s")),
+                     fmt_value("output_tokens_per_s", r.figures.get("output_tokens_per_s")), where])
     out.append(("table", (["version", "workload", "config", "rep", "status", "wall s", "TTFT p50", "tokens/s",
                            "bundle"], rows)))
     out.append(("p", f"Result store: {result.store_path} (every run of every session)."))
@@ -285,7 +288,8 @@ def plot_cell(result, cell: dict, dest: Path) -> list[Path]:
         ax.set_xlabel("ms")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
     fig.tight_layout()
     p = dest / f"cdf_{slug}.png"
     fig.savefig(p, dpi=90)

@@ -64,6 +64,10 @@ METRICS: dict[str, str] = {
 }
 HIGHER_IS_BETTER = frozenset({"output_tokens_per_s", "goodput_requests_per_s"})
 SLO_KEYS = ("ttft_s", "tpot_s", "e2e_s")
+# ``layerscope model create`` choices (DESIGN.md); mirrors engine.models.create, whose
+# import costs torch's: validation stays instant (tests/regressions/test_suite.py checks)
+ARCHS = ("llama", "qwen2", "qwen3")
+PRESETS = ("tiny", "small", "100m")
 PROBE_LEVELS = ("off", "default", "full")
 
 _TOP_KEYS = {"name", "description", "repetitions", "versions", "model", "workloads", "configs", "run", "slo",
@@ -207,8 +211,6 @@ def _model(d: Any, base: Path, where: str) -> ModelSpec:
     arch = _typed(d.get("arch", "llama"), str, f"{where}: model.arch")
     preset = _typed(d.get("preset", "tiny"), str, f"{where}: model.preset")
     seed = _typed(d.get("seed", 0), int, f"{where}: model.seed")
-    from layerscope.engine.models.create import ARCHS, PRESETS
-
     if arch not in ARCHS or preset not in PRESETS:
         raise SuiteError(f"{where}: unknown model {arch}/{preset}; archs: {', '.join(ARCHS)}; "
                          f"presets: {', '.join(PRESETS)}")
@@ -246,8 +248,7 @@ def _workloads(items: Any, base: Path, where: str) -> tuple[SuiteWorkload, ...]:
 
 
 def _configs(d: Any, where: str) -> dict[str, dict[str, Any]]:
-    from layerscope.engine.config import ConfigError, EngineConfig
-    from layerscope.diagnose.config_diff import flatten
+    from layerscope.engine.config import ConfigError, EngineConfig, flatten_config
 
     d = _table(d, f"{where}: [configs]")
     if not d:
@@ -257,7 +258,7 @@ def _configs(d: Any, where: str) -> dict[str, dict[str, Any]]:
         at = f"{where}: configs.{name}"
         if not _is_label(name):
             raise SuiteError(f"{at}: config names may hold letters, digits, '.', '_' and '-' only")
-        flat = flatten(_table(overrides, at))
+        flat = flatten_config(_table(overrides, at))
         if "model" in flat:
             raise SuiteError(f"{at}: the model is set in [model], not in a config")
         try:

@@ -36,6 +36,11 @@ from layerscope.engine.sub import child
 if __name__ == "__main__":
     if sys.argv[1:] == ["run", "--help"]:
         sys.exit(0)
+    try:  # in the installed layerscope, not in this checkout: must not leak in
+        import layerscope.regressions.versions  # noqa: F401
+        print("leaked")
+    except ModuleNotFoundError:
+        pass
     q = mp.get_context("spawn").Queue()
     p = mp.get_context("spawn").Process(target=child, args=(q,))
     p.start()
@@ -116,12 +121,19 @@ def test_check_fails_without_the_run_command(repo, tmp_path):
             co["WORKTREE"].check(tmp_path)
 
 
+def test_package_farm_refuses_a_tree_without_the_package(tmp_path):
+    (tmp_path / "old").mkdir()
+    with pytest.raises(VersionError, match="not a layerscope checkout"):
+        package_farm(tmp_path / "old", tmp_path / "farm")
+
+
 def test_package_farm_maps_subpackages(repo, tmp_path):
     assert package_dirs(repo)["layerscope.engine"] == "engine"
     farm = package_farm(repo, tmp_path / "farm")
     pkg = farm / "layerscope"
     assert (pkg / "engine").resolve() == (repo / "engine").resolve()
     assert (pkg / "__main__.py").resolve() == (repo / "layerscope/__main__.py").resolve()
+    assert str((repo / "layerscope/__init__.py").resolve()) in (pkg / "__init__.py").read_text()
     assert not (pkg / "sub").exists()  # nested packages come through their parent's folder
 
 
@@ -142,3 +154,10 @@ def test_find_repo_rejects_other_repositories(tmp_path):
     git(other, "init", "-q")
     with pytest.raises(VersionError, match="not a git checkout of layerscope"):
         find_repo(other)
+
+
+def test_long_shas_get_short_labels(repo):
+    sha = git(repo, "rev-parse", "two")
+    versions = parse_versions([sha, sha[:7], "two"], repo)
+    assert [v.label for v in versions] == [sha[:12], sha[:7], "two"]
+    assert {v.rev for v in versions} == {sha}

@@ -99,6 +99,13 @@ def test_invalid_suites(tmp_path, text, message):
     assert str(p.resolve()) in str(e.value)  # names the file
 
 
+def test_model_choices_mirror_the_engine():
+    from layerscope.engine.models import create
+    from layerscope.regressions import suite
+
+    assert set(suite.ARCHS) == set(create.ARCHS) and set(suite.PRESETS) == set(create.PRESETS)
+
+
 def test_missing_suite_names_shipped_ones():
     with pytest.raises(SuiteError, match="shipped suites: .*smoke"):
         load_suite("no-such-suite")
