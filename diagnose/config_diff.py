@@ -3,7 +3,9 @@
 Every key of the resolved engine + gateway config that differs is listed with both
 values, whether each side set it or took the version's default, and the layer it
 acts on. The key -> layer table below mirrors ``layerscope.engine.config.config_keys()``
-(a test checks they are equal): diagnose must not import the engine.
+(a test checks they are equal): diagnose must not import the engine. A bundle whose
+manifest carries a ``config_layers`` map (key -> layer, as the engine that ran
+registered it) is read from that map first.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def config_source(obj: Any) -> dict[str, Any]:
             if unknown:
                 raise RunError(f"{p}: unknown config keys {', '.join(unknown)}")
             return {"name": str(p), "config": {**CONFIG_DEFAULTS, **flat}, "resolved": {}, "versions": {},
-                    "hardware": {}, "set_keys": set(flat)}
+                    "hardware": {}, "set_keys": set(flat), "layers": {}}
     if isinstance(obj, Run):
         return _from_manifest(obj.manifest, obj.name)
     if isinstance(obj, Mapping):
@@ -158,6 +160,8 @@ def _from_manifest(m: Mapping[str, Any], name: str) -> dict[str, Any]:
         "versions": dict(m.get("versions") or {}),
         "hardware": flatten(m.get("hardware") or {}),
         "set_keys": set_keys_from_command(m.get("command")),
+        # key -> layer as the engine that ran registered it, when the bundle records it
+        "layers": dict(m.get("config_layers") or {}),
     }
 
 
@@ -178,7 +182,7 @@ def config_diff(a: Any, b: Any, changed_layers: Iterable[str] | None = None) -> 
             if _same(va, vb):
                 continue
             if kind == "config":
-                layer = CONFIG_LAYERS.get(key, "model.forward")
+                layer = sb["layers"].get(key) or sa["layers"].get(key) or CONFIG_LAYERS.get(key, "model.forward")
                 src_a = "set" if key in sa["set_keys"] else "default"
                 src_b = "set" if key in sb["set_keys"] else "default"
             else:

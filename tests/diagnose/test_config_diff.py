@@ -73,3 +73,16 @@ def test_unknown_key_in_config_file_is_an_error(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps({"max_num_seq": 64}))
     with pytest.raises(RunError, match="max_num_seq"):
         config_diff(tmp_path / "a.json", tmp_path / "a.json")
+
+
+def test_manifest_config_layers_take_precedence(synth, tmp_path):
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(synth(seed=1), a)
+    shutil.copytree(synth(seed=1), b)
+    _with_config(b, max_num_seqs=8)
+    m = json.loads((b / "manifest.json").read_text())
+    m["config_layers"] = {"max_num_seqs": "engine.schedule"}  # a future engine moved the key
+    (b / "manifest.json").write_text(json.dumps(m))
+    assert config_diff(a, b).set_index("key").loc["max_num_seqs", "layer"] == "engine.schedule"
