@@ -195,7 +195,7 @@ def execute_run(args: argparse.Namespace) -> Path:
     """Serve, load, stop, write one bundle. Returns the bundle path."""
     from layerscope.engine.gateway.cli import build_gateway
     from layerscope.engine.gateway.server import ServerThread
-    from layerscope.regressions.loadgen import run_load
+    from layerscope.regressions.loadgen import run_load, server_in_process
 
     spec = workload_from_args(args)
     out = Path(args.out)
@@ -207,22 +207,18 @@ def execute_run(args: argparse.Namespace) -> Path:
         recorder_kwargs = PROFILES[args.profile]
     gateway = build_gateway(args, record=True, recorder_kwargs=recorder_kwargs)
     server = None
-    switch = sys.getswitchinterval()
     try:
         gateway.start(timeout_s=args.startup_timeout)
         requests = spec.build(gateway.tokenizer)
         server = ServerThread(gateway)
         url = server.start()
-        # the client and the HTTP server share this process: hand the GIL over sooner than the
-        # default 5 ms, or one side's wake-up waits for the other's time slice
-        sys.setswitchinterval(0.0005)
-        result = run_load(url, spec, requests, progress=_progress(args), timeout_s=args.timeout)
-        sys.setswitchinterval(switch)
+        with server_in_process():
+            result = run_load(url, spec, requests, progress=_progress(args), timeout_s=args.timeout)
+        gateway.wait_idle()
         exports = gateway.collect_replica_records()
         if gateway.recording:
             gateway.recorder.stop()
     finally:
-        sys.setswitchinterval(switch)
         if server is not None:
             server.stop()
         gateway.shutdown()

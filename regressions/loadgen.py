@@ -1,7 +1,11 @@
 """The load generator: drives any OpenAI-compatible server with a workload, open loop.
 
 Each request is sent at its scheduled time whatever happened to the others (open
-loop), except a session's next turn, which waits for the previous one. Every request
+loop), except a session's next turn, which waits for the previous one. The HTTP client
+is aiohttp (as vLLM's benchmark): its per-request overhead is a fraction of httpx's, and
+whatever the client spends is measured as the ``client`` layer. Before the clock starts
+the connection pool is opened (one connection per request that can be in flight, up
+to 64), so TTFT does not carry TCP connects a long-lived client would not pay. Every request
 streams (SSE) so TTFT is observable; the client stamps, on the host's monotonic clock
 (``time.monotonic_ns()``, the same clock the server's records use):
 
@@ -20,12 +24,14 @@ Percentiles p50/p90/p99, each with its sample count.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import httpx
+import aiohttp
 
 from layerscope.regressions.workloads import RequestSpec, WorkloadSpec
 
@@ -121,12 +127,12 @@ class LoadGenerator:
         self.on_done = on_done
 
     async def run(self) -> LoadResult:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        timeout = httpx.Timeout(self.timeout_s, connect=10.0)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=10.0)
         # trust_env=False: a proxy from the environment must never see loopback benchmark traffic
-        async with httpx.AsyncClient(base_url=self.base, limits=limits, timeout=timeout, trust_env=False,
-                                     headers=self.headers) as client:
+        async with aiohttp.ClientSession(base_url=self.base, connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=timeout, trust_env=False, headers=self.headers) as client:
             model = self.model or await _first_model(client)
+            await _open_connections(client, self._num_connections())
             records = [ClientRecord(r.index, r.api, r.session_id, r.arrival_s, r.max_tokens) for r in self.requests]
             done = {r.index: asyncio.Event() for r in self.requests}
             cap = asyncio.Semaphore(self.spec.max_concurrency) if self.spec.max_concurrency > 0 else None
@@ -155,10 +161,30 @@ class LoadGenerator:
         return LoadResult(self.spec, records, start_ns, end_ns, self.base, model)
 
 
-async def _first_model(client: httpx.AsyncClient) -> str:
-    resp = await client.get("/v1/models")
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+    def _num_connections(self) -> int:
+        cap = self.spec.max_concurrency or len(self.requests)
+        if self.spec.kind == "agentic":  # a session has one request in flight at a time
+            cap = min(cap, self.spec.num_sessions)
+        return max(1, min(cap, len(self.requests), 64))
+
+
+async def _first_model(client: aiohttp.ClientSession) -> str:
+    async with client.get("/v1/models") as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
+
+
+async def _open_connections(client: aiohttp.ClientSession, n: int) -> None:
+    """Open ``n`` keep-alive connections (concurrent GETs of /v1/models) into the pool."""
+
+    async def one() -> None:
+        try:
+            async with client.get("/v1/models") as resp:
+                await resp.read()
+        except aiohttp.ClientError:
+            pass  # the run itself will report the server's problem
+
+    await asyncio.gather(*(one() for _ in range(n)))
 
 
 def _body(model: str, req: RequestSpec, spec: WorkloadSpec) -> dict[str, Any]:
@@ -175,34 +201,35 @@ def _body(model: str, req: RequestSpec, spec: WorkloadSpec) -> dict[str, Any]:
     return body
 
 
-async def _send(client: httpx.AsyncClient, model: str, req: RequestSpec, rec: ClientRecord,
+async def _send(client: aiohttp.ClientSession, model: str, req: RequestSpec, rec: ClientRecord,
                 spec: WorkloadSpec) -> None:
     path = "/v1/chat/completions" if req.api == "chat" else "/v1/completions"
-    headers = {"X-Session-Id": req.session_id} if req.session_id else None
+    headers = {"Content-Type": "application/json"}
+    if req.session_id:
+        headers["X-Session-Id"] = req.session_id
     payload = json.dumps(_body(model, req, spec)).encode()
+    usage = None
     rec.client_send_ns = time.monotonic_ns()
     try:
-        async with client.stream("POST", path, content=payload, headers=headers or {},
-                                 extensions=None) as resp:
-            rec.http_status = resp.status_code
+        async with client.post(path, data=payload, headers=headers) as resp:
+            rec.http_status = resp.status
             rec.request_id = resp.headers.get("x-request-id")  # our server's; others may not send it
-            if resp.status_code != 200:
-                raw = await resp.aread()
+            if resp.status != 200:
+                raw = await resp.read()
                 rec.client_done_ns = time.monotonic_ns()
-                rec.status = "rejected" if resp.status_code == 429 else "error"
-                rec.error = _error_message(raw) or f"HTTP {resp.status_code}"
+                rec.status = "rejected" if resp.status == 429 else "error"
+                rec.error = _error_message(raw) or f"HTTP {resp.status}"
                 return
-            usage = None
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw_line in resp.content:  # SSE: "data: {...}" lines
+                if not raw_line.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw_line[5:].strip()
+                if data == b"[DONE]":
                     break
                 now = time.monotonic_ns()
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    rec.status, rec.error = "error", _error_message(data.encode())
+                    rec.status, rec.error = "error", _error_message(data)
                     continue
                 rec.request_id = rec.request_id or chunk.get("id")
                 if chunk.get("usage"):
@@ -217,7 +244,7 @@ async def _send(client: httpx.AsyncClient, model: str, req: RequestSpec, rec: Cl
                     if choice.get("finish_reason"):
                         rec.finish_reason = choice["finish_reason"]
             rec.client_done_ns = time.monotonic_ns()
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
         rec.client_done_ns = time.monotonic_ns()
         rec.status, rec.error = "error", f"{type(e).__name__}: {e}"
         return
@@ -309,6 +336,19 @@ def render_summary(summary: dict[str, Any], title: str = "layerscope load"):
                  f"goodput {rate(summary['goodput_requests_per_s'], 'req/s')}"
                  + (f" (SLOs {summary['slos']})" if summary["slos"] else ""))
     return t
+
+
+@contextlib.contextmanager
+def server_in_process(switch_interval_s: float = 0.0005):
+    """Use while the server runs in this process (``layerscope run``, tests): the client and the
+    HTTP server then share one GIL, and the default 5 ms switch interval would leave one side's
+    wake-up waiting for the other's time slice, inflating the client layer."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(switch_interval_s)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
 
 
 def run_load(endpoint: str, spec: WorkloadSpec, requests: Sequence[RequestSpec] | None = None,

@@ -208,8 +208,11 @@ class Gateway:
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, timeout_s: float = 300.0) -> None:
         """Start every replica process and block until each has loaded its engine."""
+        from layerscope.engine.gateway.protocol import warm_up
+
         for r in self.replicas:
             r.start()
+        warm_up(self.tokenizer)  # while the replicas load
         try:
             infos = [r.wait_ready(timeout_s) for r in self.replicas]
         except Exception:
@@ -224,6 +227,16 @@ class Gateway:
             self.recorder.configure(resolved=self.resolved[0])
             self.recorder.start()
         self._started = True
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Block (from another thread) until no request is in flight at the gateway: a client can
+        see the end of a stream a moment before the gateway closes its record."""
+        deadline = time.monotonic() + timeout_s
+        while self._streams or self.admission.num_waiting:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind to the event loop that serves HTTP (deltas are dispatched onto it)."""

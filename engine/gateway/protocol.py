@@ -244,3 +244,10 @@ class ResponseBuilder:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage}
+
+
+def warm_up(tokenizer) -> None:
+    """Pay the one-off costs (pydantic validators, Jinja template compile) before the first request."""
+    chat = parse_body(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', ChatCompletionRequest)
+    parse_body(b'{"model": "m", "prompt": "hi"}', CompletionRequest).sampling_params(1)
+    tokenizer.encode(render_chat(tokenizer, chat), add_special_tokens=False)
