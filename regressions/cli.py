@@ -171,11 +171,12 @@ def execute_bench(args: argparse.Namespace) -> Path:
     result = run_load(args.endpoint, spec, requests, model=args.served_model, api_key=args.api_key,
                       progress=_progress(args), timeout_s=args.timeout)
     after = _scrape(args.endpoint, args.api_key)
-    summary = result.summary()
+    # the server's config is unknown to a client: the manifest's config stays empty, and the
+    # endpoint goes with the client's summary
+    summary = {**result.summary(), "endpoint": result.endpoint, "model": result.model}
     writer = _bundle_writer_class()(
-        out, command=_command("bench", args), config={"endpoint": result.endpoint, "model": result.model},
-        workload=spec.to_dict(), faults={}, probes="off", overwrite=args.overwrite, client_summary=summary,
-        metrics_text=after)
+        out, command=_command("bench", args), config={}, workload=spec.to_dict(), faults={}, probes="off",
+        overwrite=args.overwrite, client_summary=summary, metrics_text=after)
     writer.start_ns, writer.end_ns = result.start_ns, result.end_ns
     writer.add_request_fields(client_rows(result))
     path = writer.write()

@@ -215,9 +215,10 @@ def test_bench_writes_a_client_side_bundle(stack, tmp_path):
     assert len(rq) == 8 and (rq.http_status == 200).all() and rq.client_ttft_s.notna().all()
     assert rq.ttft_s.isna().all()  # a client alone cannot see the server's side
     assert b.manifest["workload"]["name"] == "chat" and b.manifest["summary"]["client"]["requests_ok"] == 8
+    assert b.manifest["summary"]["client"]["endpoint"] == url and b.manifest["config"] == {}
     assert "layerscope_time_to_first_token_seconds" in b.metrics_text  # scraped from the server
     before = (out / "metrics_before.prom").read_text()
-    assert "layerscope_gateway_requests_total" in before
+    assert "layerscope_gateway_queue_length" in before and "layerscope_kv_cache_usage_perc" in before
 
 
 # ---- layerscope run: one bundle per built-in workload ------------------------------------------------
