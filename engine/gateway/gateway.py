@@ -19,124 +19,23 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, Sequence
 
 from layerscope.engine.config import EngineConfig
 from layerscope.engine.faults import Faults
 from layerscope.engine.gateway.admission import AdmissionController, QueueFullError
 from layerscope.engine.gateway.protocol import APIError
-from layerscope.engine.gateway.replica import ReplicaClient, TokenDelta
+from layerscope.engine.gateway.records import GatewayRecord, RequestStream
+from layerscope.engine.gateway.replica import ReplicaClient
 from layerscope.engine.gateway.router import Router
 from layerscope.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 _STATUS = {"stop": "finished_stopped", "length": "finished_length", "abort": "finished_aborted"}
-
-
-@dataclass
-class GatewayRecord:
-    """One request as the gateway saw it. Timestamps: ns, host monotonic clock."""
-
-    request_id: str
-    api: str  # completions | chat
-    stream: bool
-    gateway_arrival_ns: int
-    session_id: str | None = None
-    gateway_admitted_ns: int | None = None
-    gateway_routed_ns: int | None = None
-    engine_arrival_ns: int | None = None
-    engine_first_token_ns: int | None = None
-    engine_finished_ns: int | None = None
-    gateway_first_token_ns: int | None = None
-    gateway_finished_ns: int | None = None
-    replica: int | None = None
-    status: str = "pending"  # finished_stopped | finished_length | finished_aborted | rejected | error
-    finish_reason: str | None = None
-    error: str | None = None
-    http_status: int | None = None
-    num_prompt_tokens: int | None = None
-    num_cached_tokens: int | None = None
-    num_output_tokens: int = 0
-    num_preemptions: int | None = None
-    token_ns: list[int] = field(default_factory=list)  # each token handed to the HTTP stream
-    traceparent: str | None = None  # of the gateway's root span; the replica's spans join its trace
-
-    @property
-    def ttft_s(self) -> float | None:
-        if self.gateway_first_token_ns is None:
-            return None
-        return (self.gateway_first_token_ns - self.gateway_arrival_ns) / 1e9
-
-    @property
-    def e2e_s(self) -> float | None:
-        if self.gateway_finished_ns is None or self.gateway_first_token_ns is None:
-            return None
-        return (self.gateway_finished_ns - self.gateway_arrival_ns) / 1e9
-
-    @property
-    def tpot_s(self) -> float | None:
-        """(E2E - TTFT) / (output tokens - 1), DESIGN.md's definition; None below 2 tokens."""
-        if self.num_output_tokens < 2 or self.e2e_s is None:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
-
-    @property
-    def itl_s(self) -> list[float]:
-        return [(b - a) / 1e9 for a, b in zip(self.token_ns, self.token_ns[1:])]
-
-    def to_row(self) -> dict[str, Any]:
-        """The requests.parquet columns the gateway owns (schema names)."""
-        row = {k: getattr(self, k) for k in (
-            "request_id", "replica", "status", "finish_reason", "error", "http_status", "num_prompt_tokens",
-            "num_cached_tokens", "num_output_tokens", "num_preemptions", "gateway_arrival_ns",
-            "gateway_admitted_ns", "gateway_routed_ns", "engine_arrival_ns", "engine_first_token_ns",
-            "engine_finished_ns", "gateway_first_token_ns", "gateway_finished_ns")}
-        itl = self.itl_s
-        row.update(ttft_s=self.ttft_s, tpot_s=self.tpot_s, e2e_s=self.e2e_s,
-                   itl_mean_s=sum(itl) / len(itl) if itl else None, itl_max_s=max(itl) if itl else None)
-        return row
-
-
-class RequestStream:
-    """A request in flight: its token deltas, in order, as they reach the gateway."""
-
-    def __init__(self, record: GatewayRecord):
-        self.record = record
-        self.queue: asyncio.Queue[TokenDelta | APIError] = asyncio.Queue()
-        self.engine_done = False  # the engine finished it (no abort needed)
-        self.closed = False
-        self.timer: asyncio.TimerHandle | None = None
-
-    async def deltas(self) -> AsyncIterator[TokenDelta]:
-        """Yield deltas until the finished one; raises APIError if the request fails."""
-        rec = self.record
-        while True:
-            item = await self.queue.get()
-            if isinstance(item, APIError):
-                raise item
-            now = time.monotonic_ns()
-            if rec.gateway_first_token_ns is None:
-                rec.gateway_first_token_ns = now
-                rec.engine_arrival_ns = item.engine_arrival_ns
-                rec.engine_first_token_ns = item.engine_first_token_ns
-                rec.num_prompt_tokens = item.num_prompt_tokens
-                rec.num_cached_tokens = item.num_cached_tokens
-            rec.token_ns.extend([now] * len(item.new_token_ids))
-            rec.num_output_tokens = item.num_output_tokens
-            if item.finished:
-                self.engine_done = True
-                rec.engine_finished_ns = item.engine_finished_ns
-                rec.finish_reason = item.finish_reason
-                rec.num_preemptions = item.num_preemptions
-            yield item
-            if item.finished:
-                return
 
 
 def load_gateway_tokenizer(model_dir: str | Path):
@@ -187,7 +86,6 @@ class Gateway:
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._collect: dict[int, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()
         self._started = False
         self._stopping = False
         from layerscope.engine.gateway.replica import make_recorder
@@ -463,50 +361,8 @@ class Gateway:
         """Prometheus exposition: the gateway's own metrics plus every replica's last snapshot."""
         from prometheus_client import CollectorRegistry, generate_latest
 
+        from layerscope.engine.gateway.exposition import MergedCollector
+
         reg = CollectorRegistry(auto_describe=False)
-        reg.register(_MergedCollector(self))
+        reg.register(MergedCollector(self.metrics.registry, self.replica_families))
         return generate_latest(reg)
-
-
-class _MergedCollector:
-    """One family per metric name. Gateway-layer metrics come from the gateway's registry,
-    engine-layer metrics from the replicas' snapshots, request-layer latencies and error
-    counts from both (told apart by the ``replica`` label)."""
-
-    def __init__(self, gateway: Gateway):
-        self.gateway = gateway
-
-    def collect(self):
-        from prometheus_client.metrics_core import Metric
-
-        from layerscope.probes.metrics import METRICS_BY_NAME
-
-        def owner(name: str) -> str:
-            m = METRICS_BY_NAME.get(name) or METRICS_BY_NAME.get(name + "_total")
-            if m is None:
-                return "replica"
-            if m.layer.startswith("gateway."):
-                return "gateway"
-            if m.layer == "request" or m.name == "layerscope_request_errors_total":
-                return "both"
-            return "replica"
-
-        merged: dict[str, Metric] = {}
-
-        def add(fam, source: str) -> None:
-            who = owner(fam.name)
-            out = merged.get(fam.name)
-            if out is None:
-                out = merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-            if who == source or who == "both":
-                # the router's count is labelled by target replica; drop its unused "gateway" child
-                out.samples.extend(s for s in fam.samples
-                                   if not (fam.name == "layerscope_router_requests"
-                                           and s.labels.get("replica") == "gateway"))
-
-        for fam in self.gateway.metrics.registry.collect():
-            add(fam, "gateway")
-        for fams in list(self.gateway.replica_families):
-            for fam in fams:
-                add(fam, "replica")
-        yield from (m for m in merged.values() if m.samples)

@@ -28,7 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from layerscope.engine.gateway.gateway import Gateway, GatewayRecord, RequestStream
+from layerscope.engine.gateway.gateway import Gateway
+from layerscope.engine.gateway.records import GatewayRecord, RequestStream
 from layerscope.engine.gateway.protocol import (
     APIError,
     ChatCompletionRequest,
