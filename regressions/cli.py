@@ -249,6 +249,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
+    """Register ``bench`` and ``run``, and ``regress`` (regress_cli.py) where it exists."""
     from layerscope.engine.gateway.cli import add_engine_args
 
     p = subparsers.add_parser("bench", help="drive any OpenAI-compatible server with a workload; write a bundle")
@@ -266,3 +267,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the replicas to load")
     add_workload_args(p)
     p.set_defaults(func=cmd_run)
+
+    try:
+        from layerscope.regressions.regress_cli import add_regress_parser
+    except ModuleNotFoundError as e:
+        if e.name != "layerscope.regressions.regress_cli":
+            raise
+    else:
+        add_regress_parser(subparsers)

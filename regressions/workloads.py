@@ -232,7 +232,7 @@ class _Builder:
         words: list[str] = []
         ids: list[int] = []
         while len(ids) < n:  # words until the token count is reached, then cut exactly
-            words += [rng.choice(_WORDS) for _ in range(max(4, n - len(ids)))]
+            words += [rng.choice(_WORDS) for _ in range(max(4, (n - len(ids)) // 2))]
             ids = self.tok.encode(" ".join(words), add_special_tokens=False)
         return self.tok.decode(ids[:n]).strip() or "hello"
 
