@@ -62,8 +62,11 @@ class Gateway:
         if num_replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
         if config.num_threads == 0 and config.device != "cuda":
-            # replicas share the host's cores; without this each would start one thread per core
-            threads = max(1, (os.cpu_count() or 1) // (num_replicas * config.tp_size))
+            # replicas share the host's cores with each other and with this process (HTTP, and the
+            # load generator under `run`): one intra-op thread per core each would oversubscribe
+            # them, and torch's spinning threads then stall each other (on 2 cores, TTFT went
+            # from ~4 ms to ~1 s). Leave a core to the gateway and split the rest.
+            threads = max(1, ((os.cpu_count() or 1) - 1) // (num_replicas * config.tp_size))
             config = EngineConfig.from_overrides(config, num_threads=threads)
         self.config = config
         self.faults = faults or Faults()
