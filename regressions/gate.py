@@ -57,7 +57,10 @@ def analyse(result: RegressResult) -> None:
                     for m in METRICS}
                 regressed = [m for m, g in cell["comparisons"][v.label].items() if g["status"] == "regressed"]
                 if regressed:
-                    cell["diagnoses"][v.label] = _diagnose(runs[base.label], runs[v.label], regressed[0], result.slo)
+                    cell["diagnoses"][v.label] = (
+                        {"verdict": "n/a", "note": "an endpoint is measured client-side only: no layers to attribute"}
+                        if base.is_endpoint or v.is_endpoint
+                        else _diagnose(runs[base.label], runs[v.label], regressed[0], result.slo))
                     for m in regressed:
                         result.regressions.append(_regression(v, w.name, c, m, cell, result))
             result.cells.append(cell)
@@ -106,10 +109,12 @@ def representative(runs: list[PlannedRun], metric: str) -> PlannedRun:
 
 def _diagnose(base_runs: list[PlannedRun], cand_runs: list[PlannedRun], metric: str, slo: dict) -> dict:
     """diagnose's comparison of the representative repetitions: layers, causes, config changes."""
+    from layerscope.diagnose.analysis import RunAnalysis
     from layerscope.diagnose.comparison import compare
 
     ra, rb = representative(base_runs, metric), representative(cand_runs, metric)
-    comp = compare(ra.analysis, rb.analysis, slo=slo)
+    server = lambda a: a if isinstance(a, RunAnalysis) else RunAnalysis(a.run)  # noqa: E731  (a ClientView)
+    comp = compare(server(ra.analysis), server(rb.analysis), slo=slo)
     d = dict(comp.diagnosis)
     d["baseline_bundle"], d["candidate_bundle"] = str(ra.bundle), str(rb.bundle)
     d["layer_by_metric"] = {}

@@ -16,6 +16,12 @@ repetitions widens the block-bootstrap CI, as it should. The estimators are thos
 - goodput: requests meeting every SLO / pooled busy seconds; called when it moves by
   the minimum effect and the met share moves by 5 points with a CI excluding zero.
 
+When a session includes an endpoint version (``layerscope bench``: only the client
+saw the requests), every version is measured as its client saw it: ``ClientView``
+gives a run the same ``ok`` / ``busy_s`` shape from the client_* columns, so the
+estimators above apply unchanged (throughput then has no engine steps to bootstrap,
+so it is reported but never called significant).
+
 All figures in seconds, tokens/s, requests/s.
 """
 
@@ -25,13 +31,38 @@ import math
 from typing import Sequence
 
 import numpy as np
+import pandas as pd
 
 from layerscope.diagnose.analysis import RunAnalysis
+from layerscope.diagnose.load import Run
 from layerscope.diagnose.comparison import GOODPUT, LATENCY_METRICS, THROUGHPUT, meets_slo
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_indices, compare_quantile, compare_rate
 
 METRIC_NAMES = tuple(name for name, *_ in LATENCY_METRICS) + (THROUGHPUT, GOODPUT)
 _LATENCY = {name: (m, q, kind) for name, m, q, kind in LATENCY_METRICS}
+
+
+class ClientView:
+    """A run as its load generator saw it: ``ok`` (finished requests in send order with
+    client-side ttft_s, tpot_s, e2e_s, arrival_s from the first send, num_output_tokens,
+    status) and ``busy_s`` (first send to last token), like RunAnalysis's."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        r = run.requests
+        done = r["status"].fillna("").str.startswith("finished") & r["client_e2e_s"].notna()
+        send = r["client_send_ns"].to_numpy(np.float64)
+        t0 = np.nanmin(send) if np.isfinite(send).any() else 0.0
+        self.ok = pd.DataFrame({
+            "request_id": r["request_id"], "status": r["status"], "arrival_s": (send - t0) / 1e9,
+            "ttft_s": r["client_ttft_s"], "tpot_s": r["client_tpot_s"], "e2e_s": r["client_e2e_s"],
+            "num_output_tokens": r["num_output_tokens"]})[done.to_numpy()].sort_values("arrival_s", kind="stable")
+        end = r["client_done_ns"].to_numpy(np.float64)
+        self.busy_s = float((np.nanmax(end) - t0) / 1e9) if np.isfinite(end).any() else 0.0
+
+    @property
+    def name(self) -> str:
+        return self.run.name
 
 
 def pooled_values(runs: Sequence[RunAnalysis], metric: str) -> np.ndarray:
@@ -43,9 +74,9 @@ def pooled_values(runs: Sequence[RunAnalysis], metric: str) -> np.ndarray:
 def _steps(a: RunAnalysis) -> tuple[np.ndarray, np.ndarray]:
     """Per step in start order: tokens computed for requests (decode + prefill seqs) and the
     step's own duration up to the next step's start (s), as diagnose's throughput does."""
-    s, st = a.run.steps, a.steps
-    if not len(s):
+    if isinstance(a, ClientView) or not len(a.run.steps):
         return np.zeros(0), np.zeros(0)
+    s, st = a.run.steps, a.steps
     tokens = (s["num_decode_seqs"].fillna(0) + s["num_prefill_seqs"].fillna(0)).to_numpy(np.float64)
     order = np.argsort(st["t_start_s"].to_numpy(), kind="stable")
     start = st["t_start_s"].to_numpy()[order]

@@ -79,6 +79,7 @@ class RegressResult:
     versions: list[Version]
     runs: list[PlannedRun]
     slo: dict[str, float] = field(default_factory=dict)
+    client_view: bool = False  # an endpoint version: every version measured client-side
     cells: list[dict[str, Any]] = field(default_factory=list)  # per workload x config
     config_diffs: dict[str, list[dict]] = field(default_factory=dict)  # candidate label -> diff records
     regressions: list[dict[str, Any]] = field(default_factory=list)
@@ -100,6 +101,7 @@ class RegressResult:
             "versions": [{"label": v.label, "spec": v.spec, "kind": v.kind, "rev": v.rev, "dirty": v.dirty,
                           "url": v.url} for v in self.versions],
             "baseline": self.baseline.label, "slo": self.slo, "thresholds": self.suite.thresholds,
+            "client_view": self.client_view,
             "regressions": self.regressions, "failures": self.failures, "config_diffs": self.config_diffs,
             "cells": [{k: v for k, v in c.items() if not k.startswith("_")} for c in self.cells],
             "runs": [{"version": r.version.label, "workload": r.workload, "config": r.config,
@@ -171,11 +173,12 @@ def regress(suite: Suite, version_specs: list[str] | None, out: str | Path, stor
         (session_dir / "suite.toml").write_text(suite.text)
         workload_files = _write_workloads(suite, session_dir / "workloads")
         runs = plan_runs(suite, versions, session_dir / "runs")
-        result = RegressResult(suite, session, session_dir, store_path, versions, runs)
+        result = RegressResult(suite, session, session_dir, store_path, versions, runs,
+                               client_view=any(v.is_endpoint for v in versions))
         with ResultStore(store_path) as db:
             db.start_session(session, suite.name, now.isoformat(timespec="seconds"),
                              [{"label": v.label, "spec": v.spec, "rev": v.rev} for v in versions], str(session_dir))
-            model_dir = _model(suite, out / "models", session_dir / "logs")
+            model_dir = _model(suite, out / "models", create=any(not v.is_endpoint for v in versions))
             _execute(result, checkouts, model_dir, workload_files, db, progress, console)
             from layerscope.regressions.gate import analyse
 
@@ -198,9 +201,9 @@ def _write_workloads(suite: Suite, dest: Path) -> dict[str, Path]:
     return files
 
 
-def _model(suite: Suite, cache: Path, logs: Path) -> Path:
+def _model(suite: Suite, cache: Path, create: bool = True) -> Path | None:
     """The suite's checkpoint: its path, or the preset created once under OUT/models/."""
-    if suite.model.path is not None:
+    if suite.model.path is not None or not create:  # (endpoints serve their own model)
         return suite.model.path
     dest = cache / suite.model.label
     if (dest / "config.json").is_file():
@@ -222,7 +225,7 @@ def _set_value(v: Any) -> str:
     return ("true" if v else "false") if isinstance(v, bool) else str(v)
 
 
-def run_args(suite: Suite, run: PlannedRun, model_dir: Path, workload_file: Path) -> list[str]:
+def run_args(suite: Suite, run: PlannedRun, model_dir: Path | None, workload_file: Path) -> list[str]:
     """The ``layerscope`` arguments of one run (``run`` for checkouts, ``bench`` for endpoints)."""
     if run.version.is_endpoint:
         return ["bench", "--endpoint", run.version.url or "", "--workload", str(workload_file), "--out",
@@ -236,7 +239,7 @@ def run_args(suite: Suite, run: PlannedRun, model_dir: Path, workload_file: Path
     return args
 
 
-def _execute(result: RegressResult, checkouts: Checkouts, model_dir: Path, workload_files: dict[str, Path],
+def _execute(result: RegressResult, checkouts: Checkouts, model_dir: Path | None, workload_files: dict[str, Path],
              db: ResultStore, progress: str, console) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -282,8 +285,10 @@ def _measure(run: PlannedRun, result: RegressResult) -> None:
 
     from layerscope.diagnose.comparison import slos
 
+    from layerscope.regressions.pooled import ClientView
+
     try:
-        a = RunAnalysis(load_run(run.bundle))
+        a = ClientView(load_run(run.bundle)) if result.client_view else RunAnalysis(load_run(run.bundle))
         if not result.slo:  # the suite's, else diagnose's default from the first measured run
             result.slo = slos(a, result.suite.slo or None)
         run.figures = figures(a, result.slo)

@@ -61,6 +61,9 @@ def blocks(result) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = [("h1", f"layerscope regress: {s.name} — {verdict} (exit {result.exit_status})")]
     cands = ", ".join(_version_title(v) for v in result.versions[1:])
     slo = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in result.slo.items()) or "none"
+    if result.client_view:
+        out.append(("p", "An endpoint is among the versions: every version is measured as its load generator saw "
+                         "it (client-side TTFT/TPOT/E2E); suite configs do not apply to endpoints."))
     out.append(("p", f"Session {result.session}; baseline {_version_title(result.baseline)}; candidates {cands}; "
                      f"{s.repetitions} repetitions, interleaved; model {s.model.label}; SLOs for goodput: {slo}; "
                      f"{len(result.runs)} runs in {result.wall_s:.0f} s. A metric regresses when it is "
@@ -123,8 +126,12 @@ def _cell_blocks(result, cell: dict) -> list[tuple[str, Any]]:
     slug = _slug(cell)
     out.append(("image", (f"plots/metrics_{slug}.png", f"metrics per version, {cell['workload']}/{cell['config']}")))
     out.append(("image", (f"plots/cdf_{slug}.png", f"latency CDFs, {cell['workload']}/{cell['config']}")))
+    out += _history_blocks(result, cell)
     for c, d in cell["diagnoses"].items():
         out.append(("h3", f"Diagnosis {base} -> {c} (representative repetitions)"))
+        if "note" in d:
+            out.append(("p", d["note"]))
+            continue
         out.append(("p", f"layerscope diagnose {d['baseline_bundle']} {d['candidate_bundle']}: verdict "
                          f"{d['verdict']}" + (f", primary {d['primary']['metric']} in {d['primary']['layer']}"
                                               if d.get("primary") else "")))
@@ -139,6 +146,28 @@ def _cell_blocks(result, cell: dict) -> list[tuple[str, Any]]:
             items.append(line)
         out.append(("list", items or ["no finding on the representative pair (pooled figures above decide)"]))
     return out
+
+
+def _trend(result, cell: dict):
+    from layerscope.regressions.store import ResultStore
+
+    with ResultStore(result.store_path) as db:
+        return db.trend(result.suite.name, cell["workload"], cell["config"])
+
+
+def _history_blocks(result, cell: dict) -> list[tuple[str, Any]]:
+    """The last sessions of this suite in the result store (medians over repetitions)."""
+    t = _trend(result, cell)
+    if t["session"].nunique() < 2:
+        return []
+    rows = [[r.session, r.version, (r.git_rev or "")[:10], str(r.num_runs), fmt_value("ttft_p50_s", r.ttft_p50_s),
+             fmt_value("ttft_p99_s", r.ttft_p99_s), fmt_value("tpot_p50_s", r.tpot_p50_s),
+             fmt_value("output_tokens_per_s", r.output_tokens_per_s)] for r in t.itertuples()]
+    return [("h3", f"History: the last {t['session'].nunique()} sessions of {result.suite.name} "
+                   f"(medians over repetitions)"),
+            ("table", (["session", "version", "git rev", "runs", "TTFT p50", "TTFT p99", "TPOT p50", "tokens/s"],
+                       rows)),
+            ("image", (f"plots/history_{_slug(cell)}.png", f"history, {cell['workload']}/{cell['config']}"))]
 
 
 def _config_blocks(result, v) -> list[tuple[str, Any]]:
@@ -295,6 +324,30 @@ def plot_cell(result, cell: dict, dest: Path) -> list[Path]:
     fig.savefig(p, dpi=90)
     plt.close(fig)
     paths.append(p)
+
+    t = _trend(result, cell)
+    if t["session"].nunique() >= 2:
+        sessions = list(dict.fromkeys(t["session"]))
+        fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+        for ax, (m, title) in zip(axes, (("ttft_p50_s", "TTFT p50 (ms)"), ("tpot_p50_s", "TPOT p50 (ms)"),
+                                         ("output_tokens_per_s", "output tokens/s"))):
+            scale = 1.0 if m in HIGHER_IS_BETTER else 1000.0
+            for i, (rev, g) in enumerate(t.groupby("git_rev", sort=False, dropna=False)):
+                color = _COLORS[i % len(_COLORS)]
+                x = [sessions.index(sx) for sx in g["session"]]  # every version of every session: a dot
+                ax.scatter(x, g[m] * scale, color=color, s=14)
+                mean = g.groupby("session", sort=False)[m].mean()  # the revision's line: mean per session
+                ax.plot([sessions.index(sx) for sx in mean.index], mean * scale, "-", color=color,
+                        label=str(rev)[:10] if isinstance(rev, str) else "endpoint")
+            ax.set_title(title, fontsize=10)
+            ax.set_xticks(range(len(sessions)), [sx[:15] for sx in sessions], rotation=25, fontsize=7)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7, title="git rev", title_fontsize=7)
+        fig.tight_layout()
+        p = dest / f"history_{slug}.png"
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        paths.append(p)
     return paths
 
 

@@ -138,6 +138,23 @@ class ResultStore:
         df = pd.read_sql_query(sql, self._db, params=args)
         return df.tail(limit).reset_index(drop=True) if limit else df
 
+    def trend(self, suite: str, workload: str | None = None, config: str | None = None,
+              num_sessions: int = 10) -> pd.DataFrame:
+        """The last ``num_sessions`` sessions of ``suite``: one row per (session, version) with
+        the median of each figure over its successful runs, oldest first. Columns: session,
+        version, git_rev, started_at (its first run), num_runs, and FIGURES."""
+        h = self.history(suite=suite, workload=workload, config=config)
+        h = h[h["status"] == "ok"]
+        cols = ["session", "version", "git_rev", "started_at", "num_runs", *FIGURES]
+        if h.empty:
+            return pd.DataFrame(columns=cols)
+        g = h.groupby(["session", "version"], sort=False)
+        out = g.agg(git_rev=("git_rev", "first"), started_at=("started_at", "min"), num_runs=("id", "count"),
+                    **{f: (f, "median") for f in FIGURES}).reset_index()
+        out = out.sort_values(["started_at", "session"], kind="stable")
+        keep = list(dict.fromkeys(out["session"]))[-num_sessions:]
+        return out[out["session"].isin(keep)].reset_index(drop=True)[cols]
+
     def sessions(self, suite: str | None = None) -> pd.DataFrame:
         sql = "SELECT * FROM sessions" + (" WHERE suite = ?" if suite else "") + " ORDER BY started_at"
         return pd.read_sql_query(sql, self._db, params=[suite] if suite else [])

@@ -114,7 +114,9 @@ def test_same_revision_twice_passes(same, results):
     data = json.loads((session / "result.json").read_text())
     assert data["regressions"] == [] and data["failures"] == []
     assert [d for d in next(iter(data["config_diffs"].values())) if d["kind"] == "config"] == []
-    assert "no regression (exit 0)" in (session / "report.md").read_text()
+    md = (session / "report.md").read_text()
+    assert "no regression (exit 0)" in md
+    assert "History: the last 2 sessions of smoke" in md and (session / "plots/history_burst_default.png").is_file()
     with ResultStore(results / "results.sqlite") as db:  # history accumulates across sessions
         assert len(db.sessions("smoke")) == 2
         h = db.history(suite="smoke")
@@ -144,3 +146,33 @@ def test_html_report_renders_in_chromium(regressed, tmp_path):
     img = mpimg.imread(shot)
     assert img.shape[:2] == (2000, 1280)
     assert img[..., :3].std() > 0.05  # text, tables and plots, not a blank page
+
+
+def test_endpoint_versions_are_benched_client_side(results, tmp_path):
+    """Two endpoint versions (here one ``layerscope serve``, twice): ``layerscope bench`` runs,
+    client-side figures, no model created, no layer attribution."""
+    model = next((results / "models").iterdir())  # made by the sessions above (or create one)
+    serve = subprocess.Popen([sys.executable, "-m", "layerscope", "serve", "--model", str(model), "--port", "0",
+                              "--set", "num_threads=1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = serve.stdout.readline()
+            assert line or serve.poll() is None, "layerscope serve exited"
+        url = line.split("listening on", 1)[1].strip()
+        out = tmp_path / "ep"
+        proc = regress("smoke", "--out", str(out), "--repetitions", "1", "--versions",
+                       f"endpoint:{url},endpoint:{url}")
+    finally:
+        serve.terminate()
+        serve.wait(timeout=60)
+    assert proc.returncode in (0, 1), proc.stderr
+    [session] = [p for p in out.iterdir() if p.name.endswith("-smoke")]
+    data = json.loads((session / "result.json").read_text())
+    assert data["client_view"] and data["failures"] == []
+    assert [r["status"] for r in data["runs"]] == ["ok", "ok"]
+    bundle = json.loads((Path(data["runs"][0]["bundle"]) / "manifest.json").read_text())
+    assert bundle["command"][:2] == ["layerscope", "bench"]
+    assert data["cells"][0]["versions"][data["baseline"]]["metrics"]["ttft_p50_s"]["value"] > 0
+    assert not (out / "models").exists()
+    assert "client-side" in (session / "report.md").read_text()

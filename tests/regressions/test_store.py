@@ -40,3 +40,18 @@ def test_history_accumulates_across_sessions(tmp_path):
         assert len(db.history(limit=1)) == 1
         s = db.sessions("smoke")
         assert list(s["session"]) == ["s1"] and s.loc[0, "exit_status"] == 1
+
+
+def test_trend_one_row_per_session_and_version(tmp_path):
+    with ResultStore(tmp_path / "r.sqlite") as db:
+        for session, ttfts in (("s1", (0.04, 0.06, 0.05)), ("s2", (0.07, 0.09, 0.08))):
+            for rep, t in enumerate(ttfts, start=1):
+                db.add(rec(session, "A", rep, t))
+                db.add(rec(session, "B", rep, 2 * t))
+        db.add(rec("s2", "B", 4, 9.0, status="failed"))  # failed runs do not count
+        t = db.trend("smoke")
+        assert list(zip(t["session"], t["version"])) == [("s1", "A"), ("s1", "B"), ("s2", "A"), ("s2", "B")]
+        assert list(t["num_runs"]) == [3, 3, 3, 3]
+        assert t["ttft_p50_s"].round(6).tolist() == [0.05, 0.1, 0.08, 0.16]
+        assert list(db.trend("smoke", num_sessions=1)["session"]) == ["s2", "s2"]
+        assert db.trend("other").empty
