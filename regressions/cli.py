@@ -100,7 +100,7 @@ def _bundle_writer_class():
             super().__init__(*a, **kw)
             self.client_summary = client_summary
             if metrics_text:
-                self._metrics.append(metrics_text)
+                self.add_metrics_text(metrics_text)
 
         def _manifest(self, rows):
             m = super()._manifest(rows)
