@@ -15,7 +15,14 @@ import sys
 def add_regress_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "regress", help="run a regression suite across versions; compare, attribute, gate (exit 1 on regression)",
-        description=__doc__.splitlines()[0])
+        description="Run a suite's workloads x configs x repetitions for every version (repetitions interleaved), "
+                    "store every run, compare each version with the first with diagnose's significance rule, "
+                    "diagnose regressed pairs, and write Markdown/HTML reports.",
+        epilog="versions: a git revision (HEAD~1, main, a sha) run from its own worktree; WORKTREE (or .) for the "
+               "working tree as it is; endpoint:URL for an OpenAI-compatible server (bench only, client-side). "
+               "exit status: 0 no regression; 1 a metric regressed beyond its threshold with significance, "
+               "consistently across repetitions (or a candidate's runs failed); 2 usage or suite errors, "
+               "found before anything is written.")
     p.add_argument("suite", metavar="SUITE", help="suite TOML file, or a shipped suite name (smoke, full)")
     p.add_argument("--versions", metavar="A,B,...",
                    help="git revisions, WORKTREE (the working tree as is) or endpoint:URL; the first is the baseline "

@@ -50,7 +50,8 @@ def fmt_ci(ci: Any) -> str:
 
 
 def _version_title(v) -> str:
-    return f"{v.label} ({v.short})" if v.short else v.label
+    short = v.short
+    return f"{v.label} ({short})" if short and not v.label.startswith(short[:10]) else v.label
 
 
 # ---- blocks: one structure, two renderers -------------------------------------------------------

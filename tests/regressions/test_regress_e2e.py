@@ -33,7 +33,7 @@ def git(repo: Path, *args: str) -> str:
 
 def regress(*args: str) -> subprocess.CompletedProcess:
     """The ``regress`` command as CI would run it, in its own process."""
-    return subprocess.run([sys.executable, "-m", "layerscope.regressions.regress_cli", *args],
+    return subprocess.run([sys.executable, "-m", "layerscope", "regress", *args],
                           capture_output=True, text=True, timeout=900)
 
 

@@ -20,7 +20,7 @@ workload = "burst"
 
 
 def regress(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "layerscope.regressions.regress_cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "layerscope", "regress", *args], capture_output=True,
                           text=True, timeout=120, cwd=cwd)
 
 
