@@ -93,7 +93,8 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
 
     ``paired``: base[i] and cand[i] are the same request (the same workload run twice);
     the bootstrap then resamples the pairs together, which removes the workload's own
-    spread from the CI. Returns baseline, candidate, delta_pct, ci_pct [lo, hi],
+    spread from the CI, and for medians the CI is that of the median per-request shift
+    relative to the baseline's median. Returns baseline, candidate, delta_pct, ci_pct [lo, hi],
     p_value, significant, worse (bool), n_baseline, n_candidate, paired.
     """
     base, cand = np.asarray(base, np.float64), np.asarray(cand, np.float64)
@@ -108,7 +109,13 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
     if both is not None and both.sum() >= 5:
         pa, pb = base[both], cand[both]
         idx = block_indices(len(pa), rule.num_boot, rng)
-        ra, rb = np.quantile(pa[idx], q, axis=1), np.quantile(pb[idx], q, axis=1)
+        if kind == "p50":
+            # a median's change, paired: the median per-request shift, which a few requests hit by
+            # a burst (or another process) cannot swing the way they swing the two medians
+            ra = np.median(pa[idx], axis=1)
+            rb = ra + np.median((pb - pa)[idx], axis=1)
+        else:
+            ra, rb = np.quantile(pa[idx], q, axis=1), np.quantile(pb[idx], q, axis=1)
     else:
         both = None
         ra = _boot_quantile(a, q, rule.num_boot, rng)

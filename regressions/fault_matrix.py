@@ -13,8 +13,8 @@ Every run is a subprocess (``python -m layerscope run``), so this module imports
 nothing heavy; runs whose bundle already exists under --out are reused unless
 --fresh. Sized for the tiny model on two CPU cores: about 20 s per run. On a shared
 machine other people's jobs slow whole runs down by large factors, so each run waits
-for the CPUs to be mostly idle, a short fixed CPU loop times the machine before and
-after it, and a pair whose runs saw speeds more than 1.3x apart is run again.
+for the CPUs to be mostly idle, and a run during which other processes kept more than
+half a CPU busy (busy time from /proc/stat minus the run's own CPU time) is run again.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Row:
     cause: str = ""
     seconds: float = 0.0
     error: str = ""
-    speed_ratio: float = 1.0  # machine speed ratio between the two runs (calibration loop)
+    others_cpus: float = 0.0  # CPUs other processes kept busy during the pair's busier run
     metrics: dict = field(default_factory=dict)
 
 
@@ -101,15 +101,6 @@ def wait_quiet(max_busy: float, timeout_s: float) -> float:
     return busy
 
 
-def calibrate() -> float:
-    """Seconds for a fixed CPU loop: the machine's speed right now (lower is faster)."""
-    t = time.perf_counter()
-    x = 0
-    for i in range(1_500_000):
-        x += i * i % 7
-    return time.perf_counter() - t
-
-
 @dataclass
 class Settings:
     model: str
@@ -118,47 +109,61 @@ class Settings:
     timeout_s: float = 600.0
     max_busy: float = 0.35  # wait for the CPUs to be at most this busy before each run
     quiet_timeout_s: float = 60.0
-    max_speed_ratio: float = 1.3  # rerun a pair whose runs saw machine speeds further apart
-    retries: int = 2
+    max_others_cpus: float = 0.5  # rerun a run while which other processes kept more CPUs busy
+    retries: int = 3
+
+
+def _busy_jiffies() -> tuple[float, float]:
+    """(busy CPU seconds summed over all CPUs, wall seconds) from /proc/stat."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, time.monotonic()
+    hz = 100.0  # USER_HZ
+    idle = f[3] + (f[4] if len(f) > 4 else 0)
+    return (sum(f[:8]) - idle) / hz, time.monotonic()
 
 
 def _run(st: Settings, out: Path, args: list[str], fresh: bool) -> tuple[Path, float]:
-    """One ``layerscope run``; returns the bundle and the machine speed around it (calibration s)."""
+    """One ``layerscope run``; returns the bundle and how many CPUs other processes kept busy
+    while it ran (their contention is what makes a shared machine's runs incomparable)."""
+    import resource
+
     side = out.with_name(out.name + ".calibration.json")
     if out.exists() and (out / "manifest.json").exists() and not fresh and side.exists():
-        return out, json.loads(side.read_text())["calibration_s"]
+        return out, json.loads(side.read_text())["others_cpus"]
     wait_quiet(st.max_busy, st.quiet_timeout_s)
-    c0 = calibrate()
     cmd = [sys.executable, "-m", "layerscope", "run", "--model", st.model, "--out", str(out), "--overwrite",
            "--no-progress", *args]
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy0, t0 = _busy_jiffies()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=st.timeout_s)
+    busy1, t1 = _busy_jiffies()
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
-    cal = max(c0, calibrate())
-    side.write_text(json.dumps({"calibration_s": cal, "command": cmd}))
-    return out, cal
+    ours = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    others = max(0.0, (busy1 - busy0) - ours) / max(t1 - t0, 1e-9)
+    side.write_text(json.dumps({"others_cpus": others, "wall_s": t1 - t0, "ours_cpu_s": ours, "command": cmd}))
+    return out, others
 
 
 def _pair(st: Settings, base_dir: Path, cand_dir: Path, base_args: list[str], cand_args: list[str]
           ) -> tuple[Path, Path, float]:
-    """Baseline and candidate runs taken at similar machine speeds (rerun both otherwise)."""
-    fresh = st.fresh
-    for attempt in range(st.retries + 1):
-        base, cb = _run(st, base_dir, base_args, fresh)
-        cand, cc = _run(st, cand_dir, cand_args, fresh)
-        ratio = max(cb, cc) / min(cb, cc)
-        if ratio <= st.max_speed_ratio:
+    """Baseline and candidate runs each taken while other processes kept at most
+    ``st.max_others_cpus`` CPUs busy (a run that saw more is run again, up to ``st.retries``
+    times). Returns both bundles and the larger contention seen."""
+    base, ob = _run(st, base_dir, base_args, st.fresh)
+    for _ in range(st.retries):
+        if ob <= st.max_others_cpus:
             break
-        fresh = True
-    return base, cand, ratio
-
-
-def _diagnose(a: Path, b: Path) -> dict:
-    p = subprocess.run([sys.executable, "-m", "layerscope", "diagnose", str(a), str(b), "--json"],
-                       capture_output=True, text=True, timeout=300)
-    if p.returncode != 0:
-        raise RuntimeError(f"diagnose failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
-    return json.loads(p.stdout)
+        base, ob = _run(st, base_dir, base_args, True)
+    cand, oc = _run(st, cand_dir, cand_args, st.fresh)
+    for _ in range(st.retries):
+        if oc <= st.max_others_cpus:
+            break
+        cand, oc = _run(st, cand_dir, cand_args, True)
+    return base, cand, max(ob, oc)
 
 
 def workload_args(case: Case, num_requests: int, rate: float, seed: int) -> list[str]:
@@ -174,7 +179,7 @@ def run_case(case: Case, st: Settings, num_requests: int, rate: float, seed: int
     common = workload_args(case, num_requests, rate, seed) + list(case.baseline)
     key = "base-" + "-".join(a.strip("-").replace("=", "_").replace("/", "_") for a in common)
     try:
-        base, cand, row.speed_ratio = _pair(st, st.out / key[:120], st.out / f"cand-{case.name}", common,
+        base, cand, row.others_cpus = _pair(st, st.out / key[:120], st.out / f"cand-{case.name}", common,
                                             common + list(case.candidate))
         d = _diagnose(base, cand)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
@@ -200,7 +205,7 @@ def run_aa(st: Settings, num_requests: int, rate: float, repeat: int) -> list[Ro
         t0 = time.monotonic()
         row = Row(f"A/A #{i + 1}", "no_change")
         try:
-            a, b, row.speed_ratio = _pair(st, st.out / f"aa{i}-a", st.out / f"aa{i}-b", args, args)
+            a, b, row.others_cpus = _pair(st, st.out / f"aa{i}-a", st.out / f"aa{i}-b", args, args)
             d = _diagnose(a, b)
             row.verdict = d["verdict"]
             row.primary = (d["primary"] or {}).get("layer")
@@ -215,13 +220,13 @@ def run_aa(st: Settings, num_requests: int, rate: float, repeat: int) -> list[Ro
 
 
 def print_table(rows: list[Row], file=sys.stdout) -> None:
-    print(f"{'case':32s} {'expected':19s} {'primary':19s} {'verdict':16s} ok   {'speed':>5s} {'s':>4s}  cause",
+    print(f"{'case':32s} {'expected':19s} {'primary':19s} {'verdict':16s} ok   {'busy':>5s} {'s':>4s}  cause",
           file=file)
     for r in rows:
         mark = "yes" if r.ok else ("ERR" if r.error else "no")
         cause = r.error.splitlines()[0][:70] if r.error else r.cause[:70]
         print(f"{r.case:32s} {r.expected:19s} {str(r.primary):19s} {str(r.verdict):16s} {mark:4s} "
-              f"{r.speed_ratio:5.2f} {r.seconds:4.0f}  {cause}", file=file)
+              f"{r.others_cpus:5.2f} {r.seconds:4.0f}  {cause}", file=file)
 
 
 def accuracy(rows: list[Row]) -> tuple[int, int]:

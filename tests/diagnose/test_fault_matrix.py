@@ -19,7 +19,7 @@ def settings(tmp_path_factory):
     model = out / "tiny"
     subprocess.run([sys.executable, "-m", "layerscope", "model", "create", str(model), "--preset", "tiny"],
                    check=True, capture_output=True)
-    # no waiting for a quiet machine in CI, but pairs seen at different machine speeds are rerun once
+    # no waiting for a quiet machine in CI, but a run other processes slowed down is rerun once
     return fm.Settings(str(model), out, max_busy=1.0, quiet_timeout_s=0, retries=1)
 
 
