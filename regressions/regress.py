@@ -281,10 +281,8 @@ def _tail(log: Path, n: int = 12) -> str:
 
 def _measure(run: PlannedRun, result: RegressResult) -> None:
     from layerscope.diagnose.analysis import RunAnalysis
-    from layerscope.diagnose.load import RunError, load_run
-
     from layerscope.diagnose.comparison import slos
-
+    from layerscope.diagnose.load import RunError, load_run
     from layerscope.regressions.pooled import ClientView
 
     try:
