@@ -166,6 +166,14 @@ def _pair(st: Settings, base_dir: Path, cand_dir: Path, base_args: list[str], ca
     return base, cand, max(ob, oc)
 
 
+def _diagnose(a: Path, b: Path) -> dict:
+    p = subprocess.run([sys.executable, "-m", "layerscope", "diagnose", str(a), str(b), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        raise RuntimeError(f"diagnose failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
+    return json.loads(p.stdout)
+
+
 def workload_args(case: Case, num_requests: int, rate: float, seed: int) -> list[str]:
     args = ["--workload", "chat", "--num-requests", str(num_requests), "--rate", str(rate), "--seed", str(seed)]
     # a case's workload arguments override (argparse keeps the last value)
