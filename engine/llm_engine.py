@@ -18,6 +18,7 @@ import torch
 from layerscope.engine.block_manager import BlockManager
 from layerscope.engine.config import ConfigError, EngineConfig, ResolvedConfig
 from layerscope.engine.faults import Faults
+from layerscope.engine.host import keep_freed_memory
 from layerscope.engine.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_block
 from layerscope.engine.models.loader import DTYPES, load_model, load_spec
 from layerscope.engine.outputs import RequestOutput
@@ -47,6 +48,7 @@ class LLMEngine:
         self.faults = faults or Faults()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        keep_freed_memory()
         device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
                               ("cpu" if config.device == "auto" else config.device))
         spec = load_spec(config.model)

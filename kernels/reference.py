@@ -140,19 +140,22 @@ def decode_attention(
     if b == 0:  # seq_lens.max() of an empty batch raises
         return torch.empty_like(q)
     bs, hk = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hk
     max_len = int(seq_lens.max())
     nblocks = (max_len + bs - 1) // bs
-    bt = block_tables[:, :nblocks].long()
-    k = k_cache[bt].view(b, nblocks * bs, hk, d)  # [B, L, Hk, D]
-    v = v_cache[bt].view(b, nblocks * bs, hk, d)
-    valid = torch.arange(nblocks * bs, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
-    # SDPA with GQA: no repeat of K/V, and a fused kernel in the activation dtype
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, Hq, 1, D]
-        k.transpose(1, 2),  # [B, Hk, L, D]
-        v.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=hq != hk,
-    )
-    return o.squeeze(2)
+    length = nblocks * bs
+    idx = block_tables[:, :nblocks].reshape(-1).long()
+    # [B * Hk, L, D]: two batched matmuls per layer instead of SDPA, whose CPU kernel
+    # is slow for single-token queries with a padding mask. Like HF's eager attention,
+    # scores come out of the matmul in the activation dtype; softmax runs in fp32.
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        x = cache.index_select(0, idx).view(b, length, hk, d).transpose(1, 2)
+        return x.reshape(b * hk, length, d)
+
+    k, v = gather(k_cache), gather(v_cache)
+    scores = torch.bmm(q.reshape(b * hk, g, d), k.transpose(1, 2)).float().view(b, hk, g, length)
+    scores.mul_(scale)
+    valid = torch.arange(length, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, L]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b * hk, g, length)
+    return torch.bmm(probs, v).view(b, hq, d)  # query head h uses kv head h // g
