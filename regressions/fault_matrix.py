@@ -41,7 +41,9 @@ class Case:
 # The faults of DESIGN.md, sized to stand out of a 2-core machine's noise, and config mistakes.
 CASES: tuple[Case, ...] = (
     Case("gateway.delay_ms", "gateway.queue", ("--fault", "gateway.delay_ms=150")),
-    Case("router.skew", "gateway.route", ("--fault", "router.skew=0.9"), ("--replicas", "2")),
+    # enough load that one of two replicas taking 90% of it is overloaded
+    Case("router.skew", "gateway.route", ("--fault", "router.skew=0.9"), ("--replicas", "2"),
+         workload=("--rate", "8", "--num-requests", "64")),
     Case("engine.step_overhead_ms", "engine.schedule", ("--fault", "engine.step_overhead_ms=8")),
     Case("model.layer_delay", "model.forward", ("--fault", "model.layer_delay=layers.1.mlp:6")),
     Case("kernel.slowdown", "kernel.compute", ("--fault", "kernel.slowdown=4"), ("--profile", "kernels")),
