@@ -126,6 +126,9 @@ class RunAnalysis:
         out["cached_token_frac"] = float(ok["num_cached_tokens"].sum()) / prompt if prompt else np.nan
         out["prompt_tokens_mean"] = float(ok["num_prompt_tokens"].mean()) if len(ok) else np.nan
         out["prefill_tokens_per_request"] = float(s["num_prefill_tokens"].sum()) / max(len(r), 1)
+        okr = r.loc[ok.index]
+        out["steps_per_request"] = float(okr["num_steps"].mean()) if len(okr) else np.nan
+        out["prefill_chunks_per_request"] = float(okr["num_prefill_chunks"].mean()) if len(okr) else np.nan
         out["prefill_tokens_share"] = float(s["num_prefill_tokens"].sum()) / computed if computed else np.nan
         # router: share of requests (and of engine.queue time) per replica
         if out["num_replicas"] > 1:

@@ -211,6 +211,10 @@ class Causes:
         if layer == "gateway.route":
             return [Part("gateway.route", delta_s, "the router decision / hand-off to the replica got slower",
                          [f"gateway.route {self._req_p50('gateway.route')}"] + self._router_evidence())]
+        if layer in ("engine.schedule", "engine.output") and not from_slowdown:
+            more = self._more_steps(delta_s, layer)
+            if more:
+                return more
         if layer == "engine.schedule":
             return [Part("engine.schedule", delta_s, "host time per step (scheduling, input preparation) grew",
                          [f"host time per step {ms(self.ia['schedule_s_mean'] + _z(self.ia['prepare_s_mean']))} -> "
@@ -274,6 +278,29 @@ class Causes:
             for p in parts:
                 p.delta_s *= scale
         return parts
+
+    def _more_steps(self, d: float, layer: str) -> list[Part]:
+        """Per-step costs grew because requests took part in more steps (smaller prefill chunks,
+        recomputation, longer outputs), not because a step got slower."""
+        ia, ib = self.ia, self.ib
+        per_step = self.phase[layer] / (self.expected["host" if layer == "engine.schedule" else "output"] or math.nan)
+        sa, sb = ia.get("steps_per_request", math.nan), ib.get("steps_per_request", math.nan)
+        if not (sb >= 1.2 * sa) or per_step >= 0.1:
+            return []
+        ca, cb = ia.get("prefill_chunks_per_request", math.nan), ib.get("prefill_chunks_per_request", math.nan)
+        ev = [f"steps per request {sa:.1f} -> {sb:.1f}; prefill chunks per request {ca:.1f} -> {cb:.1f}",
+              f"{layer} per step unchanged at equal batch size"]
+        if cb >= 1.2 * ca:
+            for key, lyr in (("max_num_batched_tokens", "engine.queue"), ("enable_chunked_prefill", "engine.schedule"),
+                             ("max_num_seqs", "engine.queue")):
+                if key in self.keys:
+                    return [Part(lyr, d, f"prompts are prefilled in more, smaller chunks ({key} changed): every "
+                                 "chunk pays a step", ev)]
+        if ib["recomputed_token_frac"] - ia["recomputed_token_frac"] >= 0.05:
+            return [Part("engine.kv", d, "preempted requests recompute their KV in extra steps", self._kv_evidence() + ev)]
+        if self.workload_changed:
+            return [Part("workload", d, "requests take part in more steps: the offered load changed", ev)]
+        return []
 
     # ---- model time ----
     def _forward(self, d: float, from_slowdown: bool = False) -> list[Part]:
