@@ -8,7 +8,10 @@ The rule (docs/diagnose.md states it for users), in the spirit of asv's
    size reaches ``Rule.min_abs_s`` (latencies) — run-to-run drift on a shared
    2-core machine is larger than any within-run confidence interval shows; and
 2. the 95% bootstrap confidence interval of the relative change excludes zero; and
-3. for medians, also a two-sided Mann-Whitney U test gives p < ``Rule.alpha``.
+3. for medians, also a two-sided Mann-Whitney U test gives p < ``Rule.alpha``;
+4. a tail quantile q is only called with at least ``Rule.min_tail_count`` requests
+   beyond it in both runs (n * (1 - q) >= 3: p99 needs 300 requests), since below
+   that the p99 is the run's maximum.
 
 When both runs served the same workload (same request ids and prompt lengths) the
 requests are paired and resampled together. Requests of one run are not
@@ -32,6 +35,7 @@ class Rule:
     min_effect: dict[str, float] = field(default_factory=lambda: {"p50": 0.15, "p90": 0.25, "p99": 0.25,
                                                                   "rate": 0.10})
     min_abs_s: float = 0.001  # latency changes under 1 ms are never called
+    min_tail_count: int = 3  # a q-quantile is only called with n * (1 - q) >= this (p99: 300 requests)
     alpha: float = 0.01
     confidence: float = 0.95
     num_boot: int = 400
@@ -126,8 +130,9 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
     delta = out["candidate"] - out["baseline"]
     rel_delta = delta / out["baseline"]
     p = mann_whitney_p(a, b) if kind == "p50" else None
-    sig = (abs(rel_delta) >= rule.min_effect[kind] and abs(delta) >= rule.min_abs_s and (lo > 0 or hi < 0)
-           and (p is None or p < rule.alpha))
+    enough = min(len(a), len(b)) * (1 - q) >= rule.min_tail_count or q <= 0.5
+    sig = (enough and abs(rel_delta) >= rule.min_effect[kind] and abs(delta) >= rule.min_abs_s
+           and (lo > 0 or hi < 0) and (p is None or p < rule.alpha))
     return {**out, "delta_pct": 100 * rel_delta, "ci_pct": [100 * float(lo), 100 * float(hi)], "p_value": p,
             "significant": bool(sig), "worse": bool(sig and (delta > 0) == higher_is_worse),
             "paired": both is not None}

@@ -20,6 +20,7 @@ half a CPU busy (busy time from /proc/stat minus the run's own CPU time) is run 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -191,8 +192,10 @@ def run_case(case: Case, st: Settings, num_requests: int, rate: float, seed: int
     common = workload_args(case, num_requests, rate, seed) + list(case.baseline)
     key = "base-" + "-".join(a.strip("-").replace("=", "_").replace("/", "_") for a in common)
     try:
-        base, cand, row.others_cpus = _pair(st, st.out / key[:120], st.out / f"cand-{case.name}", common,
-                                            common + list(case.candidate))
+        cand_args = common + list(case.candidate)
+        digest = hashlib.sha1(json.dumps(cand_args).encode()).hexdigest()[:8]  # new arguments, new run
+        base, cand, row.others_cpus = _pair(st, st.out / key[:120], st.out / f"cand-{case.name}-{digest}", common,
+                                            cand_args)
         d = _diagnose(base, cand)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         row.error = str(e)
