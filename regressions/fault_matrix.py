@@ -42,9 +42,9 @@ class Case:
 # The faults of DESIGN.md, sized to stand out of a 2-core machine's noise, and config mistakes.
 CASES: tuple[Case, ...] = (
     Case("gateway.delay_ms", "gateway.queue", ("--fault", "gateway.delay_ms=150")),
-    # enough load that one of two replicas taking 90% of it is overloaded
+    # a burst (64 requests at t=0): one of two replicas taking 90% of it is overloaded
     Case("router.skew", "gateway.route", ("--fault", "router.skew=0.9"), ("--replicas", "2"),
-         workload=("--rate", "8", "--num-requests", "64")),
+         workload=("--rate", "0", "--num-requests", "64")),
     Case("engine.step_overhead_ms", "engine.schedule", ("--fault", "engine.step_overhead_ms=8")),
     Case("model.layer_delay", "model.forward", ("--fault", "model.layer_delay=layers.1.mlp:6")),
     Case("kernel.slowdown", "kernel.compute", ("--fault", "kernel.slowdown=4"), ("--profile", "kernels")),
@@ -52,9 +52,10 @@ CASES: tuple[Case, ...] = (
          ("--profile", "kernels")),
     Case("collective.delay_ms", "parallel.collective", ("--fault", "collective.delay_ms=4"), ("--tp", "2")),
     Case("output.delay_ms", "engine.output", ("--fault", "output.delay_ms=8")),
-    Case("max_num_seqs_low", "engine.queue", ("--set", "max_num_seqs=2"), workload=("--rate", "8", "--num-requests", "64"),
+    # "under load": the tiny model serves a request in ~20 ms, so load means a burst at t=0
+    Case("max_num_seqs_low", "engine.queue", ("--set", "max_num_seqs=2"), workload=("--rate", "0", "--num-requests", "64"),
          note="max_num_seqs too low under load"),
-    Case("num_kv_blocks_small", "engine.kv", ("--set", "num_kv_blocks=24"), workload=("--rate", "8", "--num-requests", "64"),
+    Case("num_kv_blocks_small", "engine.kv", ("--set", "num_kv_blocks=24"), workload=("--rate", "0", "--num-requests", "64"),
          note="KV pool too small for the load"),
     Case("prefix_caching_off_agentic", "engine.kv", ("--set", "enable_prefix_caching=false"),
          workload=("--workload", "agentic", "--param", "num_sessions=6", "--param", "turns_per_session=4",
