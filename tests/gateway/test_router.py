@@ -23,16 +23,6 @@ from layerscope.regressions.workloads import builtin
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from layerscope.engine.models.create import create_model
-
-    path = tmp_path_factory.getbasetemp() / "gateway-tiny-model"  # shared by this session's modules
-    if not (path / "config.json").is_file():
-        create_model(path, arch="llama", preset="tiny", seed=0)
-    return path
-
-
-@pytest.fixture(scope="module")
 def stack(tiny_model):
     config = EngineConfig.from_overrides(model=str(tiny_model), num_kv_blocks=512, block_size=16)
     gateway = Gateway(config, num_replicas=2, probes="off", record=True, served_model_name="tiny")

@@ -27,16 +27,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from layerscope.engine.models.create import create_model
-
-    path = tmp_path_factory.getbasetemp() / "gateway-tiny-model"  # shared by this session's modules
-    if not (path / "config.json").is_file():
-        create_model(path, arch="llama", preset="tiny", seed=0)
-    return path
-
-
-@pytest.fixture(scope="module")
 def server(tiny_model):
     cmd = [sys.executable, "-m", "layerscope", "serve", "--model", str(tiny_model), "--port", "0", "--api-key", KEY,
            "--set", "num_kv_blocks=128", "--set", "max_num_seqs=4", "--set", "gateway.max_concurrency=2",

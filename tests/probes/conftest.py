@@ -22,13 +22,6 @@ def params(max_tokens: int = 10) -> SamplingParams:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    from layerscope.engine.models.create import create_model
-
-    return create_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
-
-
-@pytest.fixture(scope="session")
 def default_run(tiny_model, tmp_path_factory):
     from layerscope.probes.offline import run_offline
 

@@ -13,16 +13,6 @@ from layerscope.regressions.workloads import BUILTIN, WorkloadError, builtin, lo
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from layerscope.engine.models.create import create_model
-
-    path = tmp_path_factory.getbasetemp() / "gateway-tiny-model"  # shared by this session's modules
-    if not (path / "config.json").is_file():
-        create_model(path, arch="llama", preset="tiny", seed=0)
-    return path
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     from layerscope.engine.gateway.gateway import load_gateway_tokenizer
 
