@@ -88,3 +88,21 @@ class _NullContext:
 
 _NULL_CONTEXT = _NullContext()
 NullRecorder = Recorder
+
+
+class ListRecorder(Recorder):
+    """Keeps every step and collective record in lists (benchmarks and tests)."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.steps: list[StepRecord] = []
+        self.layer_times: list[list[tuple[str, int]] | None] = []
+        self.collectives: list[CollectiveRecord] = []
+
+    def on_step(self, step: StepRecord, layer_times: list[tuple[str, int]] | None) -> None:
+        self.steps.append(step)
+        self.layer_times.append(layer_times)
+
+    def on_collectives(self, records: list[CollectiveRecord]) -> None:
+        self.collectives.extend(records)

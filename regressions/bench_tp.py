@@ -28,21 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from layerscope.engine.recorder import Recorder
-
-
-class _BenchRecorder(Recorder):
-    enabled = True
-
-    def __init__(self) -> None:
-        self.steps = []
-        self.collectives = []
-
-    def on_step(self, step, layer_times) -> None:
-        self.steps.append(step)
-
-    def on_collectives(self, records) -> None:
-        self.collectives.extend(records)
+from layerscope.engine.recorder import ListRecorder
 
 
 def make_workload(num_prompts: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -55,7 +41,7 @@ def run_one(model: str, tp: int, prompts: list[list[int]], max_tokens: int, engi
     from layerscope.engine.llm import LLM
     from layerscope.engine.sampling_params import SamplingParams
 
-    rec = _BenchRecorder()
+    rec = ListRecorder()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(model=model, tp_size=tp, recorder=rec, **engine_kw) as llm:
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up

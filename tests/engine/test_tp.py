@@ -27,27 +27,13 @@ from layerscope.engine.faults import Faults
 from layerscope.engine.llm import LLM
 from layerscope.engine.models.create import create_model
 from layerscope.engine.parallel.comm import collective_records
-from layerscope.engine.recorder import Recorder
+from layerscope.engine.recorder import ListRecorder
 from layerscope.engine.sampling_params import SamplingParams
 
 BASE = {"dtype": "float32", "kernel_backend": "torch", "num_threads": 1}
 # chunked prefill with a 32-token budget and a pool small enough to preempt
 SCENARIO = {"max_num_batched_tokens": 32, "enable_chunked_prefill": True, "num_kv_blocks": 24, "block_size": 16}
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-class CapturingRecorder(Recorder):
-    enabled = True
-
-    def __init__(self) -> None:
-        self.steps = []
-        self.collectives = []
-
-    def on_step(self, step, layer_times) -> None:
-        self.steps.append(step)
-
-    def on_collectives(self, records) -> None:
-        self.collectives.extend(records)
 
 
 def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -98,7 +84,7 @@ def tp_run(request, models):
     with LLM(model=path, **BASE, **SCENARIO) as llm:
         ref = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         ref_preemptions = llm.engine.scheduler.num_preemptions
-    rec = CapturingRecorder()
+    rec = ListRecorder()
     with LLM(model=path, tp_size=2, recorder=rec, **BASE, **SCENARIO) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         preemptions = llm.engine.scheduler.num_preemptions
@@ -135,7 +121,7 @@ def test_every_collective_recorded_per_layer_structure(tp_run):
 def test_skew_is_the_wait_for_the_late_rank(models):
     """collective.delay_ms delays rank 1's arrival: rank 0 waits, rank 1 does not."""
     delay_ms = 20.0
-    rec = CapturingRecorder()
+    rec = ListRecorder()
     with LLM(model=models["llama"], tp_size=2, recorder=rec, faults=Faults(collective_delay_ms=delay_ms),
              **BASE) as llm:
         llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
