@@ -164,6 +164,9 @@ class Causes:
         r = {"host": (e["host"] + self.phase["engine.schedule"]) / e["host"] if e["host"] > 0 else math.nan,
              "model": (e["model"] + self.phase["model.forward"]) / e["model"] if e["model"] > 0 else math.nan,
              "output": (e["output"] + self.phase["engine.output"]) / e["output"] if e["output"] > 0 else math.nan}
+        ca, cb = _z(self.ia.get("collective_s_mean")), _z(self.ib.get("collective_s_mean"))
+        if ca > 0:  # with TP, collectives must have scaled alike too
+            r["collective"] = cb / ca
         vals = [v for v in r.values() if not math.isnan(v)]
         if len(vals) < 3 or self.keys or self.workload_changed:
             return None
@@ -186,10 +189,10 @@ class Causes:
         if self.uniform and layer in ("engine.queue", "engine.schedule", "model.forward", "engine.output",
                                       "parallel.collective", "engine.kv", "idle"):
             u = self.uniform
+            ratios = ", ".join(f"{k} x{v:.2f}" for k, v in u.items())
             return [Part("hardware", delta_s, "every phase of every step got slower by about the same factor with no "
                          "config change: the machine was slower or busier (or a new version is slower everywhere)",
-                         [f"per step at equal batch size: host x{u['host']:.2f}, model x{u['model']:.2f}, "
-                          f"output x{u['output']:.2f}", f"time measured in {layer}"])]
+                         [f"per step at equal batch size: {ratios}", f"time measured in {layer}"])]
         if layer == "engine.queue" or (layer == "idle" and not self.workload_changed):
             return self._queue(delta_s, layer)
         if layer == "idle":
