@@ -118,10 +118,12 @@ def _diagnose(base_runs: list[PlannedRun], cand_runs: list[PlannedRun], metric: 
     d = dict(comp.diagnosis)
     d["baseline_bundle"], d["candidate_bundle"] = str(ra.bundle), str(rb.bundle)
     d["layer_by_metric"] = {}
-    for name, table in comp.attribution.items():  # the layer that moved most, even where not significant
+    # the layer whose time grew most, even where the pair alone is not significant (a regression
+    # is more time: per request for latencies, per output token for throughput)
+    for name, table in comp.attribution.items():
         t = table[table["layer"] != "residual"]
-        if len(t):
-            top = t.loc[t["delta_s"].abs().idxmax()]
+        if len(t) and t["delta_s"].max() > 0:
+            top = t.loc[t["delta_s"].idxmax()]
             d["layer_by_metric"][name] = {"layer": str(top["layer"]), "delta_s": float(top["delta_s"]),
                                           "share": float(top["share"]) if top["share"] == top["share"] else None}
     return d
@@ -130,7 +132,7 @@ def _diagnose(base_runs: list[PlannedRun], cand_runs: list[PlannedRun], metric: 
 def _regression(v: Version, workload: str, config: str, metric: str, cell: dict, result: RegressResult) -> dict:
     g = cell["comparisons"][v.label][metric]
     d = cell["diagnoses"].get(v.label) or {}
-    findings = [f for f in d.get("findings", []) if f["metric"] == metric] or d.get("findings", [])
+    findings = [f for f in d.get("findings", []) if f["metric"] == metric]  # never another metric's
     f = findings[0] if findings else None
     layer = f["layer"] if f else (d.get("layer_by_metric", {}).get(metric) or {}).get("layer")
     from layerscope.diagnose.config_diff import can_move
