@@ -3,5 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --system
-export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false
+# unbuffered: the closing "N passed" line must reach the log even if a library cuts
+# interpreter shutdown short (seen: the last buffered chunk lost with stdout on a file)
+export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 exec .venv/bin/python -m pytest -q "$@"
