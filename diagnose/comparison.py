@@ -209,11 +209,16 @@ def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
 
 
 def _goodput(a: RunAnalysis, good_a: np.ndarray, b: RunAnalysis, good_b: np.ndarray, rule: Rule) -> dict:
-    """Headline: requests meeting the SLOs / busy interval. Called a change when it moves by
-    the minimum effect and so does the share of requests meeting the SLOs (by at least 5
-    points, block-bootstrap CI over requests in arrival order excluding zero)."""
+    """Headline: requests meeting the SLOs / busy interval."""
     ha = good_a.sum() / a.busy_s if a.busy_s > 0 else math.nan
     hb = good_b.sum() / b.busy_s if b.busy_s > 0 else math.nan
+    return goodput_change(good_a, good_b, ha, hb, rule)
+
+
+def goodput_change(good_a: np.ndarray, good_b: np.ndarray, ha: float, hb: float, rule: Rule) -> dict:
+    """Goodput ``ha`` -> ``hb`` from per-request SLO flags (arrival order). Called a change when
+    it moves by the minimum effect and so does the share of requests meeting the SLOs (by at
+    least 5 points, block-bootstrap CI over requests in arrival order excluding zero)."""
     fa, fb = float(good_a.mean()) if len(good_a) else math.nan, float(good_b.mean()) if len(good_b) else math.nan
     r = {"baseline": ha, "candidate": hb, "delta_pct": 100 * (hb / ha - 1) if ha > 0 else math.nan,
          "ci_pct": None, "p_value": None, "significant": False, "worse": False, "n_baseline": int(len(good_a)),

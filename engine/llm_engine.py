@@ -201,10 +201,10 @@ class LLMEngine:
             time.sleep(self._output_delay_s)
         t3 = time.monotonic_ns()
 
-        prefills = [s for s in out.scheduled if s.is_prefill]
-        decodes = [s for s in out.scheduled if not s.is_prefill]
         rec = self.recorder
-        if rec.enabled:
+        if rec.enabled:  # nothing below runs with probes off
+            prefills = [s for s in out.scheduled if s.is_prefill]
+            decodes = [s for s in out.scheduled if not s.is_prefill]
             rec.on_step(
                 StepRecord(
                     step_id=step_id,

@@ -159,25 +159,8 @@ def _throughput(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], rule: 
 
 
 def _goodput(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], slo: dict[str, float], rule: Rule) -> dict:
+    from layerscope.diagnose.comparison import goodput_change
+
     ga = np.concatenate([meets_slo(a.ok, slo) for a in base]) if base else np.zeros(0, bool)
     gb = np.concatenate([meets_slo(b.ok, slo) for b in cand]) if cand else np.zeros(0, bool)
-    ha, hb = headline(base, GOODPUT, slo), headline(cand, GOODPUT, slo)
-    fa = float(ga.mean()) if len(ga) else math.nan
-    fb = float(gb.mean()) if len(gb) else math.nan
-    r = {"baseline": ha, "candidate": hb, "delta_pct": 100 * (hb / ha - 1) if ha > 0 else math.nan,
-         "ci_pct": None, "p_value": None, "significant": False, "worse": False, "n_baseline": int(len(ga)),
-         "n_candidate": int(len(gb)), "slo_met_share": [fa, fb]}
-    if len(ga) < 20 or len(gb) < 20 or not ha > 0:
-        return r
-    rng = np.random.default_rng(rule.seed)
-    ba = ga.astype(float)[block_indices(len(ga), rule.num_boot, rng)].mean(axis=1)
-    bb = gb.astype(float)[block_indices(len(gb), rule.num_boot, rng)].mean(axis=1)
-    tail = (1 - rule.confidence) / 2
-    lo, hi = np.quantile(bb - ba, [tail, 1 - tail])
-    if fa > 0 and fb > 0:
-        rel = (hb / ha) * (bb / np.where(ba > 0, ba, np.nan)) / (fb / fa) - 1
-        r["ci_pct"] = [100 * float(np.nanquantile(rel, tail)), 100 * float(np.nanquantile(rel, 1 - tail))]
-    sig = abs(r["delta_pct"]) >= 100 * rule.min_effect["rate"] and abs(fb - fa) >= 0.05 and (lo > 0 or hi < 0)
-    r["significant"] = bool(sig)
-    r["worse"] = bool(sig and hb < ha)
-    return r
+    return goodput_change(ga, gb, headline(base, GOODPUT, slo), headline(cand, GOODPUT, slo), rule)
