@@ -23,6 +23,7 @@ from layerscope.engine.model_runner import ModelRunner, allocate_kv_cache, kv_ca
 from layerscope.engine.models.loader import DTYPES, load_model, load_spec
 from layerscope.engine.outputs import RequestOutput
 from layerscope.engine.parallel.context import ParallelContext
+from layerscope.engine.parallel.layers import can_prepack, prepack_linears
 from layerscope.engine.recorder import Recorder, StepRecord
 from layerscope.engine.request import Request, RequestStatus
 from layerscope.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -90,6 +91,8 @@ class LLMEngine:
             num_params = self.executor.num_parameters
         else:
             model = load_model(config.model, spec, dtype, ParallelContext(), ops, max_model_len, device)
+            if config.weight_prepack and can_prepack(dtype, device):
+                prepack_linears(model)
             kv = allocate_kv_cache(spec, num_blocks, block_size, kv_heads_per_rank, dtype, device)
             self.executor = ModelRunner(model, kv, block_size, device, config.seed, self.faults.layer_delays_s)
             num_params = sum(p.numel() for p in model.parameters())

@@ -33,6 +33,7 @@ from layerscope.engine.models.llama import ModelSpec
 from layerscope.engine.models.loader import load_model
 from layerscope.engine.parallel.comm import Communicator, Timing, name_collectives, new_process_group
 from layerscope.engine.parallel.context import ParallelContext
+from layerscope.engine.parallel.layers import can_prepack, prepack_linears
 from layerscope.engine.scheduler import ScheduledRequest, SchedulerOutput
 from layerscope.kernels import get_kernel_ops
 
@@ -117,6 +118,8 @@ def build_rank_runner(
     ops = get_kernel_ops(backend, faults.kernel_slowdown, faults.kernel_launch_gap_us)
     model = load_model(config.model, spec, dtype, pctx, ops, max_model_len, device)
     name_collectives(model)
+    if config.weight_prepack and can_prepack(dtype, device):
+        prepack_linears(model)
     kv_heads = pctx.shard(spec.num_kv_heads, "num_key_value_heads")
     kv = allocate_kv_cache(spec, num_blocks, config.block_size, kv_heads, dtype, device)
     return ModelRunner(model, kv, config.block_size, device, config.seed, faults.layer_delays_s)
