@@ -51,7 +51,7 @@ class EngineConfig:
     num_kv_blocks: int = _f(0, "engine.kv", "KV-cache blocks in the pool; 0 means derive from kv_cache_memory_bytes.")
     kv_cache_memory_bytes: int = _f(256 * 1024 * 1024, "engine.kv", "Memory budget for the KV cache when num_kv_blocks is 0, in bytes.")
     preemption_mode: str = _f("recompute", "engine.kv", "What preemption does to a victim's KV: recompute (free blocks, prefill again later).")
-    kernel_backend: str = _f("auto", "kernel.compute", "Kernel implementation: auto (triton on CUDA, torch on CPU), torch, triton.")
+    kernel_backend: str = _f("auto", "kernel.compute", "Kernel implementation: auto (triton on CUDA, torch on CPU), torch, triton, cpu (native C kernels, CPU only).")
     weight_prepack: bool = _f(True, "kernel.compute", "CPU, bfloat16/float16: pack linear weights once into oneDNN's blocked layout at load (same outputs, faster small-batch GEMMs, a second copy of those weights).")
     device: str = _f("auto", "hardware", "Device: auto (cuda when available), cpu, cuda.")
     tp_size: int = _f(1, "parallel.collective", "Tensor-parallel ranks.")
@@ -73,7 +73,7 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         _choice(self, "dtype", ("auto", "float32", "bfloat16", "float16"))
         _choice(self, "preemption_mode", ("recompute",))
-        _choice(self, "kernel_backend", ("auto", "torch", "triton"))
+        _choice(self, "kernel_backend", ("auto", "torch", "triton", "cpu"))
         _choice(self, "device", ("auto", "cpu", "cuda"))
         _choice(self, "router_policy", ("round_robin", "least_loaded", "prefix_affinity"))
         if self.tp_timeout_s <= 0:

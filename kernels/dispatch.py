@@ -3,9 +3,10 @@
 ``get_kernel_ops(backend)`` returns a ``KernelOps`` whose methods carry a profiler
 name (``record_function``) on every call made while a profiler is active, so
 profiler windows attribute op time to the kernel that spent it (outside profiler
-windows the name costs nothing). Backends: ``torch`` (reference ops, any device) and
+windows the name costs nothing). Backends: ``torch`` (reference ops, any device),
 ``triton`` (Triton kernels: compiled on CUDA, interpreted on CPU when
-``TRITON_INTERPRET=1``).
+``TRITON_INTERPRET=1``) and ``cpu`` (native C kernels built with the system compiler
+where they pay, reference ops elsewhere; see ``cpu_native``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Callable
 import torch
 
 from layerscope.kernels import reference
+
+BACKENDS = ("torch", "triton", "cpu")
 
 KERNEL_NAMES = (
     "rms_norm",
@@ -30,11 +33,13 @@ KERNEL_NAMES = (
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """``auto`` -> triton on CUDA, torch elsewhere."""
+    """``auto`` -> triton on CUDA, torch elsewhere. ``cpu`` needs a CPU device."""
     if backend == "auto":
         return "triton" if torch.device(device).type == "cuda" else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"kernel_backend must be auto, torch or triton; got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel_backend must be auto, {', '.join(BACKENDS)}; got {backend!r}")
+    if backend == "cpu" and torch.device(device).type != "cpu":
+        raise ValueError(f"kernel_backend=cpu runs on the CPU only; the device is {device}")
     return backend
 
 
@@ -100,4 +105,9 @@ def get_kernel_ops(backend: str, slowdown: float = 1.0, launch_gap_us: float = 0
         from layerscope.kernels import triton_ops  # imported lazily: triton may be absent
 
         return KernelOps("triton", triton_ops, slowdown, launch_gap_us)
-    raise ValueError(f"unknown kernel backend {backend!r}; choose torch or triton")
+    if backend == "cpu":
+        from layerscope.kernels import cpu_native
+
+        cpu_native.library()  # build now: a missing compiler is a clear error at engine start
+        return KernelOps("cpu", cpu_native, slowdown, launch_gap_us)
+    raise ValueError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -3,7 +3,8 @@
 Same weights (float32), 16 prompts of different lengths in one batch, half of them
 sharing a long prefix, in four engine configurations: defaults, chunked prefill with
 a 32-token budget, prefix caching (hits asserted), and a KV pool small enough that
-preemption happens (asserted).
+preemption happens (asserted); with the reference ops (``torch``) and with the native
+CPU kernels (``cpu``).
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ def model_case(request, tmp_path_factory):
     return arch, path, prompts, expected
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_matches_transformers(model_case, scenario):
+def test_greedy_matches_transformers(model_case, scenario, backend):
     arch, path, prompts, expected = model_case
-    llm = LLM(model=str(path), dtype="float32", kernel_backend="torch", **SCENARIOS[scenario])
+    llm = LLM(model=str(path), dtype="float32", kernel_backend=backend, **SCENARIOS[scenario])
+    assert llm.engine.resolved.kernel_backend == backend
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(prompts, params)
     got = [o.token_ids for o in outs]

@@ -1,0 +1,229 @@
+"""The ``cpu`` kernel backend: native C kernels where they pay, torch reference ops elsewhere.
+
+``csrc/cpu_kernels.c`` (plain C + OpenMP, no torch headers) is compiled once with the
+system C compiler (``$CC``, else ``cc``) into a cache directory keyed by the source,
+the compiler and the flags, then loaded with ctypes. The library links the process's
+``libgomp.so.1`` (the one torch loaded), so its threads are torch's threads.
+
+Native here: ``decode_attention`` (paged, straight from the cache through the block
+table: no gather copies, no padding), ``rms_norm``, ``fused_add_rms_norm``, ``rotary``,
+``silu_and_mul`` and ``write_kv`` (one pass each, rounding where torch's bf16 ops
+round). ``prefill_attention`` is the reference (SDPA). Inputs a native kernel does
+not cover (other dtypes, non-CPU tensors, unusual strides) fall back to the reference,
+so the backend is always correct, only sometimes not faster.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from layerscope.kernels import reference
+from layerscope.kernels.reference import prefill_attention  # noqa: F401 - the backend's SDPA op
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+# no FMA contraction: elementwise results then match torch's separately rounded ops
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
+PARALLEL_MIN_ELEMENTS = 1 << 16  # below this an elementwise kernel runs on one thread
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class NativeBuildError(RuntimeError):
+    """The C kernels could not be compiled or loaded (no compiler, failed build)."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("LAYERSCOPE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "layerscope"
+    )
+    return Path(base) / "cpu-kernels"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or "cc"
+    path = shutil.which(cc)
+    if path is None:
+        raise NativeBuildError(f"no C compiler found ({cc!r} is not on PATH); install gcc or use kernel_backend=torch")
+    return path
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernels (once per source/compiler/flags) and return the library path."""
+    cc = _compiler()
+    src = SOURCE.read_bytes()
+    key = hashlib.blake2b(src + cc.encode() + " ".join(FLAGS).encode(), digest_size=8).hexdigest()
+    out = cache_dir() / f"cpu_kernels-{key}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise NativeBuildError(f"compiling {SOURCE.name} with {cc} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
+    return out
+
+
+_lib: ctypes.CDLL | None = None
+_lock = threading.Lock()
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernel library (built on first use)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = ctypes.CDLL(str(build()))
+            f = lib.decode_attention
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                          ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+            lib.has_avx512_bf16.restype = ctypes.c_int
+            i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+            for name, args in {
+                "rms_norm": [i32, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32],
+                "rotary": [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32],
+                "silu_and_mul": [i32, ptr, i64, ptr, i64, i64, i32],
+                "write_kv": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
+            }.items():
+                getattr(lib, name).restype = i32
+                getattr(lib, name).argtypes = args
+            _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    """Whether the native kernels build and load on this machine."""
+    try:
+        library()
+        return True
+    except (NativeBuildError, OSError):
+        return False
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    generic: bool = False,
+) -> torch.Tensor:
+    """Same contract as ``reference.decode_attention``; native for fp32/bf16 on CPU.
+
+    bf16 with head_dim 64/128 and up to 8 query heads per kv head takes the AVX-512
+    BF16 path where the CPU has it; ``generic=True`` forces the portable C loop.
+    """
+    code = _DTYPES.get(q.dtype)
+    if (code is None or q.device.type != "cpu" or k_cache.dtype != q.dtype or q.shape[0] == 0
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    b, hq, d = q.shape
+    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    rc = library().decode_attention(
+        code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+        lens.data_ptr(), out.data_ptr(), b, hq, hk, d, bs, float(scale), torch.get_num_threads(), int(generic),
+    )
+    if rc != 0:  # sizes outside the kernel's limits (head_dim > 1024, > 64 query heads per kv head)
+        return reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return out
+
+
+def _threads(numel: int) -> int:
+    return torch.get_num_threads() if numel >= PARALLEL_MIN_ELEMENTS else 1
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """A CPU fp32/bf16 matrix whose rows are contiguous (any row stride)."""
+    return x.dtype in _DTYPES and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as ``reference.rms_norm``."""
+    if not (_rows_ok(x) and weight.dtype == x.dtype and weight.is_contiguous()) or x.shape[0] == 0:
+        return reference.rms_norm(x, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    library().rms_norm(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(),
+                       None, x.shape[0], x.shape[1], eps, _threads(x.numel()))
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``reference.fused_add_rms_norm``: (rms_norm(x + residual), x + residual)."""
+    if (not (_rows_ok(x) and _rows_ok(residual) and residual.dtype == x.dtype and weight.dtype == x.dtype
+             and weight.is_contiguous() and residual.shape == x.shape) or x.shape[0] == 0):
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    new_residual = torch.empty(x.shape, dtype=x.dtype)
+    library().rms_norm(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+                       weight.data_ptr(), out.data_ptr(), new_residual.data_ptr(), x.shape[0], x.shape[1], eps,
+                       _threads(x.numel()))
+    return out, new_residual
+
+
+def _rope_one(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    t, nh, d = x.shape
+    out = torch.empty((t, nh, d), dtype=x.dtype)
+    library().rotary(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin.data_ptr(),
+                     out.data_ptr(), t, nh, d, _threads(x.numel()))
+    return out
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``reference.rotary``; q, k may be strided views of a fused qkv row."""
+    def ok(x: torch.Tensor) -> bool:
+        return (x.dtype in _DTYPES and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
+                and x.stride(1) == x.shape[2] and x.shape[2] % 2 == 0)
+
+    if (not (ok(q) and ok(k) and k.dtype == q.dtype and cos_sin_cache.dtype == torch.float32
+             and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[1] == q.shape[2]) or q.shape[0] == 0):
+        return reference.rotary(q, k, positions, cos_sin_cache)
+    pos = positions.to(torch.int64).contiguous()
+    return _rope_one(q, pos, cos_sin_cache), _rope_one(k, pos, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``reference.silu_and_mul``."""
+    if not _rows_ok(x) or x.shape[1] % 2 or x.shape[0] == 0:
+        return reference.silu_and_mul(x)
+    t, i = x.shape[0], x.shape[1] // 2
+    out = torch.empty((t, i), dtype=x.dtype)
+    library().silu_and_mul(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), t, i, _threads(x.numel()))
+    return out
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Same contract as ``reference.write_kv`` (in place; negative slots skipped)."""
+    def ok(x: torch.Tensor) -> bool:
+        return (x.dtype == k_cache.dtype and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
+                and x.stride(1) == x.shape[2] and x.shape[1:] == k_cache.shape[2:])
+
+    if not (ok(k) and ok(v) and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and v_cache.dtype == k_cache.dtype and k.shape[0] == slot_mapping.shape[0]):
+        return reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.numel() and int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]:
+        raise IndexError(f"slot {int(slots.max())} outside a cache of {k_cache.shape[0] * k_cache.shape[1]} slots")
+    library().write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                       v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], k.element_size())

@@ -1,0 +1,144 @@
+"""The ``cpu`` backend's native C kernels against the torch reference ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerscope.kernels import cpu_native, get_kernel_ops, reference, resolve_backend
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler to build the native kernels")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, bf16_tol: float = 2e-2) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), atol=bf16_tol, rtol=bf16_tol)
+    else:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def paged_case(b, hq, hk, d, bs, lens, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // bs) for n in lens) + 1  # one padding column
+    nb = b * max_blocks + 7
+    k_cache = torch.randn(nb, bs, hk, d, generator=g).to(dtype)
+    v_cache = torch.randn(nb, bs, hk, d, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)  # scattered blocks, not in order
+    tables = torch.zeros(b, max_blocks, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        k = -(-n // bs)
+        tables[i, :k] = perm[used: used + k].int()
+        used += k
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "hq, hk, d, bs",
+    [
+        (12, 4, 64, 16),  # 100m preset: GQA 3, AVX-512 BF16 path for bf16
+        (8, 8, 128, 16),  # MHA, head_dim 128
+        (16, 2, 64, 8),  # GQA 8, small blocks
+        (18, 2, 64, 16),  # GQA 9: beyond the specialised cases -> generic loop
+        (4, 2, 32, 16),  # head_dim 32: generic loop
+    ],
+)
+def test_decode_attention_matches_reference(dtype, hq, hk, d, bs):
+    lens = [1, bs, bs + 1, 3 * bs - 1, 70, 5]
+    q, kc, vc, tables, seq = paged_case(len(lens), hq, hk, d, bs, lens, dtype)
+    want = reference.decode_attention(q, kc, vc, tables, seq, d**-0.5)
+    for generic in (False, True):
+        got = cpu_native.decode_attention(q, kc, vc, tables, seq, d**-0.5, generic=generic)
+        close(got, want)
+    if dtype == torch.bfloat16:  # rounded at the same points: almost every element is bit-identical
+        assert (got == want).float().mean() > 0.98
+
+
+def test_decode_attention_empty_batch_and_unsupported_dtype_fall_back():
+    q, kc, vc, tables, seq = paged_case(2, 4, 2, 16, 16, [3, 9], torch.float16)
+    close(cpu_native.decode_attention(q, kc, vc, tables, seq, 0.25),
+          reference.decode_attention(q, kc, vc, tables, seq, 0.25))
+    q, kc, vc, tables, seq = paged_case(1, 4, 2, 16, 16, [3], torch.float32)
+    assert cpu_native.decode_attention(q[:0], kc, vc, tables[:0], seq[:0], 0.25).shape == (0, 4, 16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 96 rows runs on several threads
+def test_rms_norm_and_fused_add(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * 96, generator=g).to(dtype)[:, :96]  # strided rows
+    res = torch.randn(rows, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    eps = 1e-6
+    close(cpu_native.rms_norm(x, w, eps), reference.rms_norm(x, w, eps), bf16_tol=1e-2)
+    got = cpu_native.fused_add_rms_norm(x, res, w, eps)
+    want = reference.fused_add_rms_norm(x, res, w, eps)
+    close(got[0], want[0], bf16_tol=1e-2)
+    assert torch.equal(got[1], want[1])  # the residual sum is one rounded add
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_on_strided_views_of_a_fused_qkv_row(dtype):
+    g = torch.Generator().manual_seed(1)
+    t, hq, hk, d = 9, 6, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d)
+    cache = torch.randn(64, d, generator=g)
+    pos = torch.randint(0, 64, (t,), generator=g)
+    for got, want in zip(cpu_native.rotary(q, k, pos, cache), reference.rotary(q, k, pos, cache)):
+        close(got, want, bf16_tol=1e-2)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)  # same rounding after each product and the sum
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = (4 * torch.randn(5, 3 * 128, generator=g)).to(dtype)[:, :256]  # strided rows
+    x[0, 0] = -100.0  # saturated exp
+    x[0, 1] = 100.0
+    close(cpu_native.silu_and_mul(x), reference.silu_and_mul(x), bf16_tol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_skips_negative_slots_and_rejects_out_of_range(dtype):
+    g = torch.Generator().manual_seed(3)
+    t, hk, d = 6, 2, 16
+    kv = torch.randn(t, 3 * hk * d, generator=g).to(dtype)
+    k, v = kv[:, : hk * d].view(t, hk, d), kv[:, hk * d: 2 * hk * d].view(t, hk, d)
+    slots = torch.tensor([3, -1, 17, 0, 31, -1])
+    caches = [torch.zeros(4, 8, hk, d, dtype=dtype) for _ in range(4)]
+    cpu_native.write_kv(k, v, caches[0], caches[1], slots)
+    reference.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(IndexError, match="slot 32"):
+        cpu_native.write_kv(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 4, 32]))
+
+
+def test_backend_is_selectable_and_cpu_only():
+    assert resolve_backend("cpu", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_backend("cpu", "cuda")
+    ops = get_kernel_ops("cpu")
+    assert ops.backend == "cpu"
+
+
+def test_build_failure_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERSCOPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    with pytest.raises(cpu_native.NativeBuildError, match="no C compiler"):
+        cpu_native.build(force=True)
+
+
+def test_build_is_cached_by_source_and_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERSCOPE_CACHE_DIR", str(tmp_path))
+    first = cpu_native.build()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_native.build() == first and first.stat().st_mtime_ns == mtime
+    assert first.parent == tmp_path / "cpu-kernels"
