@@ -306,53 +306,9 @@ store:
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HAVE_AVX512_BF16 1
-/* bf16 fast path (AVX-512 BF16): q . k with vdpbf16ps straight from the bf16 cache rows
- * (products of bf16 pairs are exact in fp32), P @ V with the G x D accumulators of one kv
- * head held in registers. D (multiple of 32) and G are constants after inlining.
- * Same rounding points as ``attend``; sums associate differently (fp32 ulps). */
-#define PREFETCH_AHEAD 16
-/* The first head's pass streams whole token rows [Hk, D] into cache ahead of use; the
- * other heads' passes then find them there (one sequence's K or V fits in L2). */
-static inline void prefetch_row(const void *cache, const int32_t *table, int64_t BS, int64_t row, int64_t l,
-                                int64_t len) {
-    if (l >= len) return;
-    const char *p = (const char *)((const uint16_t *)cache + ((int64_t)table[l / BS] * BS + l % BS) * row);
-    for (int64_t off = 0; off < row * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
-}
-
-static inline __attribute__((always_inline)) void attend_bf16(
-    const int64_t D, const int64_t G, const void *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, void *out, int64_t Hk,
-    int64_t BS, float scale, int64_t max_len, int64_t b, float *scratch) {
-    const int64_t Hq = Hk * G, row = Hk * D, len = seq_lens[b];
-    const int32_t *table = block_tables + b * bt_stride;
-    const uint16_t *qb = (const uint16_t *)q + b * Hq * D;
-    uint16_t *ob = (uint16_t *)out + b * Hq * D;
-    float *scores = scratch;
-    if (len <= 0) {
-        memset(ob, 0, sizeof(uint16_t) * (size_t)(Hq * D));
-        return;
-    }
-    /* q . k, token by token: each row [Hk, D] is read once, front to back */
-    for (int64_t l = 0, blk = 0, pos = 0; l < len; l++) {
-        if (pos == BS) pos = 0, blk++;
-        const uint16_t *kp = (const uint16_t *)k_cache + ((int64_t)table[blk] * BS + pos++) * row;
-        prefetch_row(k_cache, table, BS, row, l + PREFETCH_AHEAD, len);
-        for (int64_t h = 0; h < Hk; h++) {
-            __m512bh kv[D / 32];
-            for (int64_t c = 0; c < D / 32; c++) kv[c] = (__m512bh)_mm512_loadu_si512(kp + h * D + c * 32);
-            for (int64_t g = 0; g < G; g++) {
-                const uint16_t *qh = qb + (h * G + g) * D;
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t c = 0; c < D / 32; c++)
-                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + c * 32), kv[c]);
-                scores[(h * G + g) * max_len + l] = _mm512_reduce_add_ps(acc);
-            }
-        }
-    }
+/* scores [Hq, max_len] (first len used), raw q . k sums -> bf16-rounded probabilities:
+ * rounded like the reference's bf16 matmul output, scaled, softmax in fp32, rounded. */
+static inline void softmax_rows_bf16(float *scores, int64_t Hq, int64_t len, int64_t max_len, float scale) {
     for (int64_t hq = 0; hq < Hq; hq++) {
         float *sg = scores + hq * max_len;
         float mx = -INFINITY, sum = 0.f;
@@ -371,28 +327,142 @@ static inline __attribute__((always_inline)) void attend_bf16(
 #pragma omp simd
         for (int64_t l = 0; l < len; l++) sg[l] = round_bf16_finite(sg[l] * inv);
     }
-    /* out = P @ V, token by token, fp32 accumulators [Hq, D] in L1 */
-    float *acc = scores + Hq * max_len;
+}
+
+#define PREFETCH_AHEAD 24
+/* A cursor over one sequence's tokens in the paged cache, advanced without divisions
+ * (64-bit divides would cost as much as the math of a token). */
+typedef struct {
+    const int32_t *table;
+    int64_t BS, row, blk, pos;
+} cursor;
+
+static inline cursor cursor_at(const int32_t *table, int64_t BS, int64_t row, int64_t l) {
+    cursor c = {table, BS, row, l / BS, l % BS};
+    return c;
+}
+
+/* element offset of the cursor's token row, then step to the next token */
+static inline int64_t cursor_next(cursor *c) {
+    if (c->pos == c->BS) c->pos = 0, c->blk++;
+    return ((int64_t)c->table[c->blk] * c->BS + c->pos++) * c->row;
+}
+
+/* Request the whole row [Hk, D] of the token at the prefetch cursor (PREFETCH_AHEAD tokens
+ * ahead of use). __builtin_prefetch, not _mm_prefetch: GCC 12 drops the latter here. */
+static inline void prefetch_next(cursor *pf, const void *cache, int64_t l, int64_t len) {
+    if (l >= len) return;
+    const char *p = (const char *)((const uint16_t *)cache + cursor_next(pf));
+    for (int64_t off = 0; off < pf->row * 2; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+/* 16 vectors -> one vector of their 16 horizontal sums (lane i = sum of v[i]); 45 ops
+ * instead of 16 separate reductions (~8 each). */
+static inline __m512 sum16(__m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(w[2 * i]), c = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, c)));
+    }
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+}
+
+/* bf16 fast path (AVX-512 BF16), token by token: each token's K then V row [Hk, D] is
+ * read once, front to back, with rows PREFETCH_AHEAD tokens ahead requested early (the
+ * cache is far larger than the caches; this loop is bound by memory, then by issue).
+ * q . k: vdpbf16ps straight from the bf16 rows (products of bf16 pairs are exact in
+ * fp32), the dot products of up to 16 query heads reduced together (sum16).
+ * P @ V: vdpbf16ps over token pairs: probabilities are bf16-rounded, so (p_l, p_l+1) is
+ * an exact bf16 pair against the interleaved rows (v_l[d], v_l+1[d]); the fp32
+ * accumulators [Hq, D] stay in L1 in the unpack lane order, undone at the end.
+ * Same rounding points as ``attend``; sums associate differently (fp32 ulps).
+ * D (a multiple of 32) and G are constants after inlining. */
+static inline __attribute__((always_inline)) void attend_bf16(
+    const int64_t D, const int64_t G, const void *q, const void *k_cache, const void *v_cache,
+    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, void *out, int64_t Hk,
+    int64_t BS, float scale, int64_t max_len, int64_t b, float *scratch) {
+    const int64_t Hq = Hk * G, row = Hk * D, len = seq_lens[b];
+    const int32_t *table = block_tables + b * bt_stride;
+    const uint16_t *qb = (const uint16_t *)q + b * Hq * D;
+    uint16_t *ob = (uint16_t *)out + b * Hq * D;
+    float *scores = scratch, *acc = scratch + Hq * max_len;
+    if (len <= 0) {
+        memset(ob, 0, sizeof(uint16_t) * (size_t)(Hq * D));
+        return;
+    }
+    cursor kc = cursor_at(table, BS, row, 0), kpf = cursor_at(table, BS, row, PREFETCH_AHEAD);
+    for (int64_t l = 0; l < len; l++) {
+        const uint16_t *kp = (const uint16_t *)k_cache + cursor_next(&kc);
+        prefetch_next(&kpf, k_cache, l + PREFETCH_AHEAD, len);
+        for (int64_t hq0 = 0; hq0 < Hq; hq0 += 16) {
+            __m512 dots[16];
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t hq = hq0 + j;
+                dots[j] = _mm512_setzero_ps();
+                if (hq >= Hq) continue;
+                const uint16_t *qh = qb + hq * D, *kh = kp + (hq / G) * D;
+                for (int64_t c = 0; c < D / 32; c++)
+                    dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(qh + c * 32),
+                                               (__m512bh)_mm512_loadu_si512(kh + c * 32));
+            }
+            float tmp[16];
+            _mm512_storeu_ps(tmp, sum16(dots));
+            for (int64_t j = 0; j < 16 && hq0 + j < Hq; j++) scores[(hq0 + j) * max_len + l] = tmp[j];
+        }
+    }
+    softmax_rows_bf16(scores, Hq, len, max_len, scale);
     for (int64_t i = 0; i < Hq * D; i++) acc[i] = 0.f;
-    for (int64_t l = 0, blk = 0, pos = 0; l < len; l++) {
-        if (pos == BS) pos = 0, blk++;
-        const uint16_t *vp = (const uint16_t *)v_cache + ((int64_t)table[blk] * BS + pos++) * row;
-        prefetch_row(v_cache, table, BS, row, l + PREFETCH_AHEAD, len);
+    cursor vc = cursor_at(table, BS, row, 0), vpf = cursor_at(table, BS, row, PREFETCH_AHEAD);
+    for (int64_t l = 0; l < len; l += 2) {
+        /* rows of tokens l and l + 1 (a lone last token pairs with itself at p = 0) */
+        const uint16_t *v0 = (const uint16_t *)v_cache + cursor_next(&vc), *v1 = v0;
+        if (l + 1 < len) v1 = (const uint16_t *)v_cache + cursor_next(&vc);
+        prefetch_next(&vpf, v_cache, l + PREFETCH_AHEAD, len);
+        prefetch_next(&vpf, v_cache, l + 1 + PREFETCH_AHEAD, len);
         for (int64_t h = 0; h < Hk; h++) {
-            __m512 p[G];
-            for (int64_t g = 0; g < G; g++) p[g] = _mm512_set1_ps(scores[(h * G + g) * max_len + l]);
-            for (int64_t c = 0; c < D / 16; c++) {
-                const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vp + h * D + c * 16))), 16));
+            __m512i pp[G];
+            for (int64_t g = 0; g < G; g++) {
+                const float *sg = scores + (h * G + g) * max_len + l;
+                uint32_t p0, p1 = 0;
+                memcpy(&p0, sg, 4);
+                if (l + 1 < len) memcpy(&p1, sg + 1, 4);
+                pp[g] = _mm512_set1_epi32((int)((p1 & 0xffff0000u) | (p0 >> 16)));
+            }
+            for (int64_t c = 0; c < D / 32; c++) {
+                const __m512i r0 = _mm512_loadu_si512(v0 + h * D + c * 32);
+                const __m512i r1 = _mm512_loadu_si512(v1 + h * D + c * 32);
+                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+                const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
                 for (int64_t g = 0; g < G; g++) {
-                    float *a = acc + (h * G + g) * D + c * 16;
-                    _mm512_storeu_ps(a, _mm512_fmadd_ps(p[g], v, _mm512_loadu_ps(a)));
+                    float *a = acc + (h * G + g) * D + c * 32;
+                    _mm512_storeu_ps(a, _mm512_dpbf16_ps(_mm512_loadu_ps(a), (__m512bh)pp[g], lo));
+                    _mm512_storeu_ps(a + 16, _mm512_dpbf16_ps(_mm512_loadu_ps(a + 16), (__m512bh)pp[g], hi));
                 }
             }
         }
     }
-    for (int64_t i = 0; i < Hq * D; i++) ob[i] = f32_to_bf16(acc[i]);
+    /* undo the unpack lane order: lane 4k + i of a 32-wide group's first half holds
+     * d = 8k + i, of its second half d = 8k + 4 + i */
+    for (int64_t hq = 0; hq < Hq; hq++)
+        for (int64_t c = 0; c < D / 32; c++) {
+            const float *am = acc + hq * D + c * 32;
+            uint16_t *o = ob + hq * D + c * 32;
+            for (int64_t k = 0; k < 4; k++)
+                for (int64_t i = 0; i < 4; i++) {
+                    o[8 * k + i] = f32_to_bf16(am[4 * k + i]);
+                    o[8 * k + 4 + i] = f32_to_bf16(am[16 + 4 * k + i]);
+                }
+        }
 }
+
 #define BF16_CASE(DIM, GG) \
     if (D == DIM && G == GG) { \
         attend_bf16(DIM, GG, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hk, BS, scale, max_len, \
