@@ -94,7 +94,8 @@ class LLMEngine:
             if config.weight_prepack and can_prepack(dtype, device):
                 prepack_linears(model)
             kv = allocate_kv_cache(spec, num_blocks, block_size, kv_heads_per_rank, dtype, device)
-            self.executor = ModelRunner(model, kv, block_size, device, config.seed, self.faults.layer_delays_s)
+            self.executor = ModelRunner(model, kv, block_size, device, config.seed, self.faults.layer_delays_s,
+                                        ops.argmax)
             num_params = sum(p.numel() for p in model.parameters())
 
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)

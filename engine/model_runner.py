@@ -55,12 +55,13 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         layer_delays_s: dict[str, float] | None = None,
+        argmax=None,
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, argmax)
         self.layer_delays_s = layer_delays_s or {}
         self._sync = torch.cuda.synchronize if device.type == "cuda" else None
 

@@ -8,8 +8,9 @@ from layerscope.engine.sampling_params import SamplingParams
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, argmax=None):
         self.device = device
+        self._argmax = argmax or (lambda logits: logits.argmax(dim=-1))  # a backend may bring a faster one
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -29,7 +30,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
         """logits: [N, vocab] fp32, one row per request -> one token id per row."""
-        out = logits.argmax(dim=-1)  # greedy rows are done here
+        out = self._argmax(logits)  # greedy rows are done here
         for row, (rid, sp) in enumerate(zip(request_ids, params)):
             if sp.is_greedy:
                 continue

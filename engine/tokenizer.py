@@ -23,6 +23,12 @@ class Detokenizer:
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
+        # the Rust tokenizer directly (~2x cheaper per call) unless transformers post-processes
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self._decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
+        else:
+            self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         self.stop = stop
         self.text = ""
         self._ids: list[int] = []
@@ -32,8 +38,8 @@ class Detokenizer:
     def append(self, token_id: int) -> str:
         """Add one token; returns the new text delta (may be empty while a character is partial)."""
         self._ids.append(token_id)
-        prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
         delta = full[len(prefix) :]

@@ -95,6 +95,7 @@ def library() -> ctypes.CDLL:
                 "rotary": [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32],
                 "silu_and_mul": [i32, ptr, i64, ptr, i64, i64, i32],
                 "write_kv": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
+                "argmax_rows": [ptr, i64, i64, i64, ptr, i32],
             }.items():
                 getattr(lib, name).restype = i32
                 getattr(lib, name).argtypes = args
@@ -227,3 +228,15 @@ def write_kv(
         raise IndexError(f"slot {int(slots.max())} outside a cache of {k_cache.shape[0] * k_cache.shape[1]} slots")
     library().write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
                        v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], k.element_size())
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for [N, V] fp32 rows (first maximum; NaN counts as the
+    maximum), ~10x faster than torch's CPU argmax; the sampler's greedy path."""
+    if not (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.stride(1) == 1 and logits.shape[1] > 0):
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    library().argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
+                          _threads(logits.numel()))
+    return out

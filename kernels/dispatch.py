@@ -90,6 +90,8 @@ class KernelOps:
 
     def __init__(self, backend: str, module: ModuleType, slowdown: float = 1.0, launch_gap_us: float = 0.0):
         self.backend = backend
+        # optional: a faster ``logits.argmax(-1)`` for the sampler's greedy rows (cpu backend)
+        self.argmax: Callable | None = getattr(module, "argmax", None)
         for name in KERNEL_NAMES:
             fn = getattr(module, name)
             if slowdown > 1.0 or launch_gap_us > 0:

@@ -122,7 +122,7 @@ def build_rank_runner(
         prepack_linears(model)
     kv_heads = pctx.shard(spec.num_kv_heads, "num_key_value_heads")
     kv = allocate_kv_cache(spec, num_blocks, config.block_size, kv_heads, dtype, device)
-    return ModelRunner(model, kv, config.block_size, device, config.seed, faults.layer_delays_s)
+    return ModelRunner(model, kv, config.block_size, device, config.seed, faults.layer_delays_s, ops.argmax)
 
 
 # ---- the process ------------------------------------------------------------------------------

@@ -18,6 +18,9 @@
  */
 #include <math.h>
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -215,6 +218,62 @@ int write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, v
         memcpy((char *)k_cache + slots[t] * row * elem, (const char *)k + t * k_stride * elem, (size_t)(row * elem));
         memcpy((char *)v_cache + slots[t] * row * elem, (const char *)v + t * v_stride * elem, (size_t)(row * elem));
     }
+    return 0;
+}
+
+/* ---- argmax over rows of fp32 logits [N, V] (row stride ld): torch.argmax semantics,
+ * the first maximum, a NaN counting as the maximum (the first NaN wins). Four independent
+ * running maxima per row (the compare-blend chain is latency-bound), rows over threads. */
+static int64_t argmax_row(const float *xr, int64_t V) {
+    int64_t i = 0, best = 0;
+    float m = -INFINITY;
+    int seen = 0;
+#if defined(__AVX512F__)
+    if (V >= 64 && V < 0x7fffffff) {
+        __m512 vmax[4];
+        __m512i vidx[4], cur[4];
+        __mmask16 nan = 0;
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(64);
+        for (int k = 0; k < 4; k++) {
+            cur[k] = vidx[k] = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * k));
+            vmax[k] = _mm512_loadu_ps(xr + 16 * k);
+            nan |= _mm512_cmp_ps_mask(vmax[k], vmax[k], _CMP_UNORD_Q);
+        }
+        for (i = 64; i + 64 <= V; i += 64)
+            for (int k = 0; k < 4; k++) {
+                cur[k] = _mm512_add_epi32(cur[k], step);
+                const __m512 v = _mm512_loadu_ps(xr + i + 16 * k);
+                nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax[k], _CMP_GT_OQ); /* strict: keeps the first */
+                vmax[k] = _mm512_mask_mov_ps(vmax[k], gt, v);
+                vidx[k] = _mm512_mask_mov_epi32(vidx[k], gt, cur[k]);
+            }
+        if (nan) {
+            for (int64_t j = 0; j < i; j++)
+                if (xr[j] != xr[j]) return j;
+        }
+        float lanes[64];
+        int32_t idx[64];
+        for (int k = 0; k < 4; k++) {
+            _mm512_storeu_ps(lanes + 16 * k, vmax[k]);
+            _mm512_storeu_si512(idx + 16 * k, vidx[k]);
+        }
+        m = lanes[0], best = idx[0], seen = 1;
+        for (int k = 1; k < 64; k++)
+            if (lanes[k] > m || (lanes[k] == m && idx[k] < best)) m = lanes[k], best = idx[k];
+    }
+#endif
+    for (; i < V; i++) {
+        if (xr[i] != xr[i]) return i;
+        if (!seen || xr[i] > m) m = xr[i], best = i, seen = 1;
+    }
+    return best;
+}
+
+int argmax_rows(const float *x, int64_t ld, int64_t N, int64_t V, int64_t *out, int nt) {
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t r = 0; r < N; r++) out[r] = argmax_row(x + r * ld, V);
     return 0;
 }
 

@@ -142,3 +142,22 @@ def test_build_is_cached_by_source_and_flags(tmp_path, monkeypatch):
     mtime = first.stat().st_mtime_ns
     assert cpu_native.build() == first and first.stat().st_mtime_ns == mtime
     assert first.parent == tmp_path / "cpu-kernels"
+
+
+@pytest.mark.parametrize("cols", [5, 17, 64, 127, 200, 32000])
+def test_argmax_matches_torch_including_ties_and_nan(cols):
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(10, cols, generator=g)
+    x[1] = 0.0  # all tied: the first index
+    x[2, -1] = x[2].max() + 1  # the maximum in the scalar tail
+    x[3, cols // 2] = float("nan")  # NaN counts as the maximum
+    x[4] = float("-inf")
+    x[5, 0] = x[5].max() + 1
+    x[5, -1] = x[5, 0]  # a tie between first and last: the first
+    assert torch.equal(cpu_native.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_native.argmax(x[:, : max(1, cols // 2)]), x[:, : max(1, cols // 2)].argmax(dim=-1))
+
+
+def test_cpu_backend_brings_the_sampler_its_argmax():
+    assert get_kernel_ops("cpu").argmax is cpu_native.argmax
+    assert get_kernel_ops("torch").argmax is None
