@@ -93,6 +93,95 @@ static inline float exp_any(float x) {
     return p * scale * 2.0f;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bf16 vector helpers: 16 lanes; vcvtneps2bf16 rounds to nearest even like torch's cast
+ * (denormal inputs aside, which it flushes). */
+#define VEC_BF16 1
+static inline __m512 ld16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline void st16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+static inline __m512 rd16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+/* exp_any, 16 lanes */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.8f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
+    return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)), _mm512_set1_ps(2.0f));
+}
+
+/* rms_rows for bf16 with H % 16 == 0 */
+static void rms_rows_bf16v(const uint16_t *x, int64_t x_stride, const uint16_t *res, int64_t res_stride,
+                           const uint16_t *w, uint16_t *out, uint16_t *res_out, int64_t t0, int64_t t1, int64_t H,
+                           float eps) {
+    for (int64_t t = t0; t < t1; t++) {
+        __m512 ss = _mm512_setzero_ps();
+        const uint16_t *src = x + t * x_stride;
+        if (res) {
+            for (int64_t i = 0; i < H; i += 16) {
+                const __m512 v = rd16(_mm512_add_ps(ld16(x + t * x_stride + i), ld16(res + t * res_stride + i)));
+                st16(res_out + t * H + i, v);
+                ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
+            }
+            src = res_out + t * H;
+        } else {
+            for (int64_t i = 0; i < H; i += 16) {
+                const __m512 v = ld16(src + i);
+                ss = _mm512_add_ps(ss, _mm512_mul_ps(v, v));
+            }
+        }
+        const __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)H + eps));
+        for (int64_t i = 0; i < H; i += 16)
+            st16(out + t * H + i, _mm512_mul_ps(ld16(w + i), rd16(_mm512_mul_ps(ld16(src + i), r))));
+    }
+}
+
+/* rope_rows for bf16 with D / 2 % 16 == 0 */
+static void rope_rows_bf16v(const uint16_t *x, int64_t x_stride, const int64_t *positions, const float *cos_sin,
+                            uint16_t *out, int64_t t0, int64_t t1, int64_t NH, int64_t D) {
+    const int64_t half = D / 2;
+    const __m512 neg = _mm512_set1_ps(-0.0f);
+    for (int64_t t = t0; t < t1; t++) {
+        const float *cs = cos_sin + positions[t] * D;
+        for (int64_t i = 0; i < half; i += 16) {
+            const __m512 c = rd16(_mm512_loadu_ps(cs + i)), s = rd16(_mm512_loadu_ps(cs + half + i));
+            for (int64_t h = 0; h < NH; h++) {
+                const uint16_t *xh = x + t * x_stride + h * D;
+                uint16_t *oh = out + (t * NH + h) * D;
+                const __m512 x1 = ld16(xh + i), x2 = ld16(xh + half + i);
+                st16(oh + i, _mm512_add_ps(rd16(_mm512_mul_ps(x1, c)), rd16(_mm512_mul_ps(_mm512_xor_ps(x2, neg), s))));
+                st16(oh + half + i, _mm512_add_ps(rd16(_mm512_mul_ps(x2, c)), rd16(_mm512_mul_ps(x1, s))));
+            }
+        }
+    }
+}
+
+/* silu_rows for bf16 with I % 16 == 0 */
+static void silu_rows_bf16v(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t t0, int64_t t1, int64_t I) {
+    const __m512 one = _mm512_set1_ps(1.0f), neg = _mm512_set1_ps(-0.0f);
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t i = 0; i < I; i += 16) {
+            const __m512 g = ld16(x + t * x_stride + i), u = ld16(x + t * x_stride + I + i);
+            const __m512 sg = rd16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_xor_ps(g, neg)))));
+            st16(out + t * I + i, _mm512_mul_ps(sg, u));
+        }
+}
+#else
+#define VEC_BF16 0
+#endif
+
 /* dtype-generic element access: dt 0 = float32, 1 = bfloat16 (constant after inlining) */
 static inline float ld(const int dt, const void *p, int64_t i) {
     return dt ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -147,6 +236,11 @@ int rms_norm(int dt, const void *x, int64_t x_stride, const void *res, int64_t r
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         SPLIT_ROWS(T);
+#if VEC_BF16
+        if (dt && H % 16 == 0)
+            rms_rows_bf16v(x, x_stride, res, res_stride, w, out, res_out, t0, t1, H, eps);
+        else
+#endif
         if (dt) rms_rows(1, x, x_stride, res, res_stride, w, out, res_out, t0, t1, H, eps);
         else rms_rows(0, x, x_stride, res, res_stride, w, out, res_out, t0, t1, H, eps);
     }
@@ -182,6 +276,11 @@ int rotary(int dt, const void *x, int64_t x_stride, const int64_t *positions, co
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         SPLIT_ROWS(T);
+#if VEC_BF16
+        if (dt && (D / 2) % 16 == 0)
+            rope_rows_bf16v(x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
+        else
+#endif
         if (dt) rope_rows(1, x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
         else rope_rows(0, x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
     }
@@ -204,6 +303,11 @@ int silu_and_mul(int dt, const void *x, int64_t x_stride, void *out, int64_t T, 
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         SPLIT_ROWS(T);
+#if VEC_BF16
+        if (dt && I % 16 == 0)
+            silu_rows_bf16v(x, x_stride, out, t0, t1, I);
+        else
+#endif
         if (dt) silu_rows(1, x, x_stride, out, t0, t1, I);
         else silu_rows(0, x, x_stride, out, t0, t1, I);
     }
