@@ -1,7 +1,13 @@
-"""Kernel benchmark: Triton kernels vs the torch reference ops.
+"""Kernel benchmark: Triton kernels (or the native CPU kernels) vs the torch reference ops.
 
     python -m layerscope.kernels.bench [--quick] [--device cpu|cuda] [--dtype bf16]
                                         [--kernels rms_norm,decode_attention] [--reps N]
+    python -m layerscope.kernels.bench --impl cpu [--quick]
+
+With ``--impl cpu`` the native C kernels of the ``cpu`` backend are measured against
+the reference on the CPU, at the shapes of the ``100m`` preset's decode step (batch
+32, contexts ~256; caches flushed before each timed call, as in the engine where 12
+layers' KV and 200 MB of weights pass between two uses).
 
 For every kernel: correctness against the torch reference (max abs error, pass/fail at
 the per-dtype tolerance), then a timing table: median Triton time, median torch time,
@@ -56,6 +62,15 @@ def realistic_shapes(g: torch.Generator) -> Shapes:
         tokens=4096, hidden=4096, intermediate=14336, hq=32, hk=8, head_dim=128, block_size=16,
         decode_lens=decode_lens,
         prefill=[(1024, 1024), (2048, 1024), (1536, 512), (4096, 2048)],
+    )
+
+
+def cpu_shapes(g: torch.Generator) -> Shapes:
+    """The 100m preset's decode step: 32 sequences of ~256 tokens."""
+    decode_lens = torch.randint(240, 290, (32,), generator=g).tolist()
+    return Shapes(
+        tokens=32, hidden=768, intermediate=2048, hq=12, hk=4, head_dim=64, block_size=16,
+        decode_lens=decode_lens, prefill=[(256, 256), (300, 44)],
     )
 
 
@@ -230,14 +245,16 @@ def time_fn(fn: Callable[[], object], device: str, reps: int, warmup: int, flush
             times.append(start.elapsed_time(end) / 1e3)
     else:
         for _ in range(reps):
+            if flush is not None:
+                flush.zero_()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def format_table(results: list[Result], device: str) -> str:
-    head = ["kernel", "shape", "max_abs_err", "ok", "triton_ms", "torch_ms", "torch/triton", "GB/s"]
+def format_table(results: list[Result], device: str, impl: str = "triton") -> str:
+    head = ["kernel", "shape", "max_abs_err", "ok", f"{impl}_ms", "torch_ms", f"torch/{impl}", "GB/s"]
     rows = [
         [
             r.name,
@@ -254,7 +271,7 @@ def format_table(results: list[Result], device: str) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    if device != "cuda":
+    if device != "cuda" and impl == "triton":
         out.append("(Triton interpreter on CPU: times and GB/s are not GPU performance)")
     return "\n".join(out)
 
@@ -281,7 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default="", help="comma-separated subset of kernel names")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (median reported)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--impl", choices=["triton", "cpu"], default="triton",
+                        help="kernels to measure: triton, or the native CPU kernels (cpu backend)")
     args = parser.parse_args(argv)
+    if args.impl == "cpu":
+        return main_cpu(args)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -322,7 +343,44 @@ def main(argv: list[str] | None = None) -> int:
         results.append(Result(case.name, case.shape, err, ok, t_tri, t_ref, gbps))
         print(f"  {case.name}: {'PASS' if ok else 'FAIL'} (max abs err {err:.2e})", flush=True)
     print()
-    print(format_table(results, device))
+    print(format_table(results, device, "triton"))
+    failed = [r.name for r in results if not r.ok]
+    if failed:
+        print(f"\nFAILED: {', '.join(failed)}")
+        return 1
+    print(f"\nall {len(results)} kernels match the torch reference")
+    return 0
+
+
+def main_cpu(args) -> int:
+    """Native CPU kernels vs the torch reference, on the CPU."""
+    from layerscope.kernels import cpu_native, reference
+
+    dtype = DTYPES[args.dtype]
+    g = torch.Generator().manual_seed(args.seed)
+    shapes = quick_shapes(g) if args.quick else cpu_shapes(g)
+    reps = args.reps or 20
+    cases = build_cases(cpu_native, reference, shapes, dtype, "cpu", g)
+    if args.kernels:
+        wanted = {k.strip() for k in args.kernels.split(",") if k.strip()}
+        if wanted - {c.name for c in cases}:
+            print(f"bench: unknown kernels {sorted(wanted - {c.name for c in cases})}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if c.name in wanted]
+    avx = bool(cpu_native.library().has_avx512_bf16())
+    print(f"layerscope kernel bench: impl=cpu (native C, AVX-512 BF16 path {'on' if avx else 'off'}) dtype={args.dtype} "
+          f"shapes={'quick' if args.quick else '100m decode step'} reps={reps} threads={torch.get_num_threads()} "
+          f"torch={torch.__version__}")
+    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int8)  # > L3: each timed call starts cold
+    results = []
+    for case in cases:
+        err, ok = case.check()
+        t_nat = time_fn(case.triton, "cpu", reps, 2, flush)
+        t_ref = time_fn(case.torch, "cpu", reps, 2, flush)
+        results.append(Result(case.name, case.shape, err, ok, t_nat, t_ref, case.io_bytes / t_nat / 1e9))
+        print(f"  {case.name}: {'PASS' if ok else 'FAIL'} (max abs err {err:.2e})", flush=True)
+    print()
+    print(format_table(results, "cpu", "cpu"))
     failed = [r.name for r in results if not r.ok]
     if failed:
         print(f"\nFAILED: {', '.join(failed)}")

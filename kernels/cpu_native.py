@@ -1,14 +1,15 @@
 """The ``cpu`` kernel backend: native C kernels where they pay, torch reference ops elsewhere.
 
 ``csrc/cpu_kernels.c`` (plain C + OpenMP, no torch headers) is compiled once with the
-system C compiler (``$CC``, else ``cc``) into a cache directory keyed by the source,
-the compiler and the flags, then loaded with ctypes. The library links the process's
+system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into a cache directory
+(``$LAYERSCOPE_CACHE_DIR``, else ``~/.cache/layerscope``) keyed by the source, the
+compiler, the flags and the CPU, then loaded with ctypes. The library links the process's
 ``libgomp.so.1`` (the one torch loaded), so its threads are torch's threads.
 
 Native here: ``decode_attention`` (paged, straight from the cache through the block
 table: no gather copies, no padding), ``rms_norm``, ``fused_add_rms_norm``, ``rotary``,
 ``silu_and_mul`` and ``write_kv`` (one pass each, rounding where torch's bf16 ops
-round). ``prefill_attention`` is the reference (SDPA). Inputs a native kernel does
+round), and ``argmax`` for the sampler's greedy rows. ``prefill_attention`` is the reference (SDPA). Inputs a native kernel does
 not cover (other dtypes, non-CPU tensors, unusual strides) fall back to the reference,
 so the backend is always correct, only sometimes not faster.
 """
@@ -55,11 +56,25 @@ def _compiler() -> str:
     return path
 
 
+def _cpu_signature() -> bytes:
+    """-march=native code is for this CPU only: the cache key includes its model and flags
+    (a home directory shared with another machine must not load it)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor().encode()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep).encode()
+
+
 def build(force: bool = False) -> Path:
     """Compile the kernels (once per source/compiler/flags) and return the library path."""
     cc = _compiler()
     src = SOURCE.read_bytes()
-    key = hashlib.blake2b(src + cc.encode() + " ".join(FLAGS).encode(), digest_size=8).hexdigest()
+    key = hashlib.blake2b(src + cc.encode() + " ".join(FLAGS).encode() + _cpu_signature(),
+                          digest_size=8).hexdigest()
     out = cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists() and not force:
         return out
@@ -103,12 +118,19 @@ def library() -> ctypes.CDLL:
     return _lib
 
 
+_unavailable: str | None = None  # why the library did not build/load (asked once per process)
+
+
 def available() -> bool:
-    """Whether the native kernels build and load on this machine."""
+    """Whether the native kernels build and load on this machine (``auto`` asks this)."""
+    global _unavailable
+    if _unavailable is not None:
+        return False
     try:
         library()
         return True
-    except (NativeBuildError, OSError):
+    except (NativeBuildError, OSError) as e:
+        _unavailable = str(e)
         return False
 
 

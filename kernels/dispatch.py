@@ -33,9 +33,14 @@ KERNEL_NAMES = (
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """``auto`` -> triton on CUDA, torch elsewhere. ``cpu`` needs a CPU device."""
+    """``auto`` -> triton on CUDA; on CPU the native ``cpu`` kernels when they build here
+    (a C compiler is present), else the ``torch`` reference ops. ``cpu`` needs a CPU device."""
     if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" else "torch"
+        if torch.device(device).type == "cuda":
+            return "triton"
+        from layerscope.kernels import cpu_native
+
+        return "cpu" if cpu_native.available() else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"kernel_backend must be auto, {', '.join(BACKENDS)}; got {backend!r}")
     if backend == "cpu" and torch.device(device).type != "cpu":

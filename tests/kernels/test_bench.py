@@ -23,3 +23,18 @@ def test_bench_subset_and_unknown_kernel(capsys):
     out = capsys.readouterr().out
     assert "rms_norm" in out and "decode_attention" not in out
     assert bench.main(["--quick", "--device", "cpu", "--kernels", "nope"]) == 2
+
+
+def test_bench_native_cpu_kernels(capsys):
+    from layerscope.kernels import cpu_native
+
+    if not cpu_native.available():
+        import pytest
+
+        pytest.skip("no C compiler")
+    assert bench.main(["--impl", "cpu", "--quick", "--reps", "2", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("kernel "):]
+    for name in KERNEL_NAMES:
+        assert f"\n{name} " in table, name
+    assert "cpu_ms" in table and "torch/cpu" in table and "FAIL" not in out
