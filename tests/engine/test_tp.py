@@ -98,6 +98,21 @@ def test_tp2_greedy_matches_tp1(tp_run):
     assert tp_run["got"] == tp_run["ref"]
 
 
+def test_tp2_with_native_cpu_kernels_matches_tp1_reference(models):
+    """Both ranks load the native kernels (built once, shared cache); same greedy tokens."""
+    from layerscope.kernels import cpu_native
+
+    if not cpu_native.available():
+        pytest.skip("no C compiler for the native kernels")
+    prompts = make_prompts(512)[:8]
+    with LLM(model=models["llama"], **BASE, **SCENARIO) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    with LLM(model=models["llama"], tp_size=2, **{**BASE, "kernel_backend": "cpu"}, **SCENARIO) as llm:
+        assert llm.engine.resolved.kernel_backend == "cpu"
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == ref
+
+
 def test_every_collective_recorded_per_layer_structure(tp_run):
     rec, spec = tp_run["recorder"], tp_run["spec"]
     expected = ["embed"] + [f"layers.{i}.{part}" for i in range(spec.num_layers) for part in ("attn", "mlp")]
