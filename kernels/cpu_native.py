@@ -37,8 +37,11 @@ PARALLEL_MIN_ELEMENTS = 1 << 16  # below this an elementwise kernel runs on one 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-class NativeBuildError(RuntimeError):
-    """The C kernels could not be compiled or loaded (no compiler, failed build)."""
+class NativeBuildError(ValueError):
+    """The C kernels could not be compiled or loaded (no compiler, failed build).
+
+    A ValueError like the config errors: asking for ``kernel_backend=cpu`` where it
+    cannot be built is a setting this machine cannot honour (the CLI prints it, exit 2)."""
 
 
 def cache_dir() -> Path:

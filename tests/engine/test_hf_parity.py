@@ -62,6 +62,11 @@ def model_case(request, tmp_path_factory):
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_greedy_matches_transformers(model_case, scenario, backend):
     arch, path, prompts, expected = model_case
+    if backend == "cpu":
+        from layerscope.kernels import cpu_native
+
+        if not cpu_native.available():
+            pytest.skip("no C compiler for the native kernels")
     llm = LLM(model=str(path), dtype="float32", kernel_backend=backend, **SCENARIOS[scenario])
     assert llm.engine.resolved.kernel_backend == backend
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
