@@ -92,7 +92,7 @@ class LLMEngine:
         else:
             model = load_model(config.model, spec, dtype, ParallelContext(), ops, max_model_len, device)
             if config.weight_prepack and can_prepack(dtype, device):
-                prepack_linears(model)
+                prepack_linears(model, native=backend == "cpu")
             kv = allocate_kv_cache(spec, num_blocks, block_size, kv_heads_per_rank, dtype, device)
             self.executor = ModelRunner(model, kv, block_size, device, config.seed, self.faults.layer_delays_s,
                                         ops.argmax)

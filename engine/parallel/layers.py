@@ -18,9 +18,25 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+try:  # a cheap flag read instead of entering record_function on every call
+    from torch._C._autograd import _profiler_enabled
+except ImportError:  # pragma: no cover
+    def _profiler_enabled() -> bool:
+        return True
+
+
 def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b, through the layer's pre-packed oneDNN weight when it has one."""
-    packed = layer.__dict__.get("packed_weight")
+    """x W^T + b, through the layer's pre-packed weight when it has one (native or oneDNN)."""
+    d = layer.__dict__
+    native = d.get("native_weight")
+    if native is not None:
+        from layerscope.kernels import cpu_native
+
+        if not _profiler_enabled():
+            return cpu_native.linear(x, native, bias)
+        with torch.profiler.record_function("layerscope::linear"):  # profiler windows see it by name
+            return cpu_native.linear(x, native, bias)
+    packed = d.get("packed_weight")
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, layer.weight, bias)
@@ -41,18 +57,26 @@ def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
     return False
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Pack every linear weight (and the LM head) once into oneDNN's blocked layout.
+def prepack_linears(model: nn.Module, native: bool = False) -> int:
+    """Pack every linear weight (and the LM head) once, at load.
 
-    Small-batch (decode) GEMMs on CPU otherwise re-layout the weight on every call;
-    packed, the 100m preset's linears run ~1.5-2x faster at batch 32. Costs a second
-    copy of those weights (the plain one stays: loaders, TP shards, tied embeddings).
-    Call after the weights are loaded; returns the number of layers packed.
+    ``native`` (the ``cpu`` kernel backend, bf16): the native GEMM's tile layout where the
+    shape allows (``cpu_native.pack_linear_weight``), oneDNN's blocked layout elsewhere.
+    Otherwise oneDNN's layout: small-batch (decode) GEMMs on CPU would re-layout the
+    weight on every call; packed, the 100m preset's linears run ~1.5-2x faster at batch
+    32. Costs a second copy of those weights (the plain one stays: loaders, TP shards,
+    tied embeddings). Call after the weights are loaded; returns the number packed.
     """
+    if native:
+        from layerscope.kernels import cpu_native
     n = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            module.__dict__["packed_weight"] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+            w = module.weight.detach()
+            if native and cpu_native.can_pack_linear(w):
+                module.__dict__["native_weight"] = cpu_native.pack_linear_weight(w)
+            else:
+                module.__dict__["packed_weight"] = torch.ops.mkldnn._reorder_linear_weight(w)
             n += 1
     return n
 

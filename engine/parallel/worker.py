@@ -119,7 +119,7 @@ def build_rank_runner(
     model = load_model(config.model, spec, dtype, pctx, ops, max_model_len, device)
     name_collectives(model)
     if config.weight_prepack and can_prepack(dtype, device):
-        prepack_linears(model)
+        prepack_linears(model, native=backend == "cpu")
     kv_heads = pctx.shard(spec.num_kv_heads, "num_key_value_heads")
     kv = allocate_kv_cache(spec, num_blocks, config.block_size, kv_heads, dtype, device)
     return ModelRunner(model, kv, config.block_size, device, config.seed, faults.layer_delays_s, ops.argmax)

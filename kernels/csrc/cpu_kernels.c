@@ -626,6 +626,59 @@ static inline __attribute__((always_inline)) void attend_bf16(
         }
 }
 
+/* ---- linear (bf16): C[M, N] = A[M, K] W[N, K]^T (+ bias), W pre-packed ----------------
+ * Packed layout [N/32][K/2][32][2]: for each tile of 32 output columns, each pair of K
+ * steps is one contiguous 128-byte row, so vdpbf16ps consumes it with one broadcast A
+ * pair per output row. Tiles of 12 rows x 32 columns keep 24 accumulators in registers;
+ * the weight tile is streamed once from memory (the next tile prefetched during the
+ * first row tile) and re-read from L1/L2 by the other row tiles. Accumulation in fp32,
+ * (+ bias), one rounding to bf16: oneDNN's contract; sums associate differently. */
+#define GEMM_MT 12
+static inline __attribute__((always_inline)) void gemm_tile(
+    const uint16_t *A, int64_t lda, const uint16_t *w, const uint16_t *bias, uint16_t *C, int64_t ldc, int64_t m0,
+    const int64_t mt, int64_t K, const uint16_t *w_next) {
+    __m512 acc[GEMM_MT][2];
+    for (int i = 0; i < GEMM_MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < K / 2; kp++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kp * 64);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kp * 64 + 32);
+        if (w_next) {
+            __builtin_prefetch(w_next + kp * 64, 0, 2);
+            __builtin_prefetch(w_next + kp * 64 + 32, 0, 2);
+        }
+        for (int64_t i = 0; i < mt; i++) {
+            uint32_t pair;
+            memcpy(&pair, A + (m0 + i) * lda + 2 * kp, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
+        }
+    }
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) b0 = ld16(bias), b1 = ld16(bias + 16);
+    for (int64_t i = 0; i < mt; i++) {
+        st16(C + (m0 + i) * ldc, bias ? _mm512_add_ps(acc[i][0], b0) : acc[i][0]);
+        st16(C + (m0 + i) * ldc + 16, bias ? _mm512_add_ps(acc[i][1], b1) : acc[i][1]);
+    }
+}
+
+int linear_bf16(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16_t *bias, uint16_t *C, int64_t ldc,
+                int64_t M, int64_t N, int64_t K, int nt) {
+    if (N % 32 || K % 2) return -1;
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t nb = 0; nb < N / 32; nb++) {
+        const uint16_t *w = Wp + nb * K * 32, *w_next = nb + 1 < N / 32 ? w + K * 32 : NULL;
+        const uint16_t *bn = bias ? bias + nb * 32 : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += GEMM_MT) {
+            if (M - m0 >= GEMM_MT)
+                gemm_tile(A, lda, w, bn, C + nb * 32, ldc, m0, GEMM_MT, K, m0 == 0 ? w_next : NULL);
+            else
+                gemm_tile(A, lda, w, bn, C + nb * 32, ldc, m0, M - m0, K, m0 == 0 ? w_next : NULL);
+        }
+    }
+    return 0;
+}
+
 #define BF16_CASE(DIM, GG) \
     if (D == DIM && G == GG) { \
         attend_bf16(DIM, GG, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hk, BS, scale, max_len, \
@@ -636,6 +689,10 @@ static inline __attribute__((always_inline)) void attend_bf16(
     BF16_CASE(DIM, 5) BF16_CASE(DIM, 6) BF16_CASE(DIM, 7) BF16_CASE(DIM, 8)
 #else
 #define HAVE_AVX512_BF16 0
+int linear_bf16(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16_t *bias, uint16_t *C, int64_t ldc,
+                int64_t M, int64_t N, int64_t K, int nt) {
+    return -1; /* needs AVX-512 BF16 */
+}
 #endif
 
 int has_avx512_bf16(void) { return HAVE_AVX512_BF16; }

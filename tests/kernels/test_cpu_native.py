@@ -161,3 +161,48 @@ def test_argmax_matches_torch_including_ties_and_nan(cols):
 def test_cpu_backend_brings_the_sampler_its_argmax():
     assert get_kernel_ops("cpu").argmax is cpu_native.argmax
     assert get_kernel_ops("torch").argmax is None
+
+
+needs_bf16_gemm = pytest.mark.skipif(
+    not (cpu_native.available() and cpu_native.library().has_avx512_bf16()), reason="no AVX-512 BF16 on this CPU")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [0, 1, 5, 12, 13, 32, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_matches_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 160, generator=g).to(torch.bfloat16)[:, ::2]  # strided rows
+    packed = cpu_native.pack_linear_weight(w)
+    got = cpu_native.linear(x, packed, b)
+    want = torch.nn.functional.linear(x, w, b)
+    close(got, want, bf16_tol=1.6e-2)
+    if rows:  # fp32 accumulation and one rounding: nearly every element identical
+        assert (got == want).float().mean() > 0.95
+    assert cpu_native.linear(x.view(1, rows, 80), packed, b).shape == (1, rows, 96)  # leading dims kept
+
+
+@needs_bf16_gemm
+def test_native_linear_pack_conditions():
+    assert cpu_native.can_pack_linear(torch.zeros(64, 48, dtype=torch.bfloat16))
+    assert not cpu_native.can_pack_linear(torch.zeros(48, 48, dtype=torch.bfloat16))  # N % 32
+    assert not cpu_native.can_pack_linear(torch.zeros(64, 47, dtype=torch.bfloat16))  # odd K
+    assert not cpu_native.can_pack_linear(torch.zeros(64, 48))  # fp32 keeps torch's GEMM
+
+
+@needs_bf16_gemm
+def test_model_layers_use_the_native_gemm_with_the_cpu_backend(tiny_model):
+    from layerscope.engine.llm import LLM
+    from layerscope.engine.sampling_params import SamplingParams
+
+    llm = LLM(model=str(tiny_model), dtype="bfloat16", kernel_backend="cpu")
+    model = llm.engine.executor.model
+    kinds = {("native" if "native_weight" in m.__dict__ else "onednn" if "packed_weight" in m.__dict__ else None)
+             for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2 and m is not model.model.embed_tokens}
+    assert "native" in kinds and None not in kinds
+    torch_out = LLM(model=str(tiny_model), dtype="bfloat16", kernel_backend="torch").generate(
+        [[5, 6, 7, 8] * 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    out = llm.generate([[5, 6, 7, 8] * 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].token_ids) == len(torch_out[0].token_ids) == 8
