@@ -170,8 +170,11 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         meta = ctx.attn
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         n_pre = meta.num_prefill_tokens
+        if not meta.num_prefills:  # decode-only step: no output buffer to assemble
+            out = self.ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
+            return self.o_proj(out.view(t, self.num_heads * d))
+        out = torch.empty_like(q)
         if meta.num_prefills:
             out[:n_pre] = self.ops.prefill_attention(
                 q[:n_pre],

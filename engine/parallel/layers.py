@@ -25,17 +25,21 @@ except ImportError:  # pragma: no cover
         return True
 
 
-def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b, through the layer's pre-packed weight when it has one (native or oneDNN)."""
+def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False) -> torch.Tensor:
+    """x W^T + b, through the layer's pre-packed weight when it has one (native or oneDNN).
+
+    ``float_out``: the caller wants ``.float()`` of the result; the native GEMM writes it
+    directly (same values), the others return the activation dtype.
+    """
     d = layer.__dict__
     native = d.get("native_weight")
     if native is not None:
         from layerscope.kernels import cpu_native
 
         if not _profiler_enabled():
-            return cpu_native.linear(x, native, bias)
+            return cpu_native.linear(x, native, bias, float_out)
         with torch.profiler.record_function("layerscope::linear"):  # profiler windows see it by name
-            return cpu_native.linear(x, native, bias)
+            return cpu_native.linear(x, native, bias, float_out)
     packed = d.get("packed_weight")
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -196,7 +200,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-split output projection; logits gathered to the full vocabulary."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.pctx.world_size == 1:  # may come back as float32 already (the caller's .float() is then free)
+            return _linear(self, hidden, None, float_out=True)
         logits = _linear(self, hidden, None)
-        if self.pctx.world_size == 1:
-            return logits
         return self.pctx.all_gather(logits, -1, self.collective_name)[..., : self.num_embeddings]

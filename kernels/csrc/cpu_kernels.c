@@ -636,7 +636,7 @@ static inline __attribute__((always_inline)) void attend_bf16(
 #define GEMM_MT 12
 static inline __attribute__((always_inline)) void gemm_tile(
     const uint16_t *A, int64_t lda, const uint16_t *w, const uint16_t *bias, uint16_t *C, int64_t ldc, int64_t m0,
-    const int64_t mt, int64_t K, const uint16_t *w_next) {
+    const int64_t mt, int64_t K, const uint16_t *w_next, float *Cf) {
     __m512 acc[GEMM_MT][2];
     for (int i = 0; i < GEMM_MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t kp = 0; kp < K / 2; kp++) {
@@ -657,23 +657,33 @@ static inline __attribute__((always_inline)) void gemm_tile(
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
     if (bias) b0 = ld16(bias), b1 = ld16(bias + 16);
     for (int64_t i = 0; i < mt; i++) {
-        st16(C + (m0 + i) * ldc, bias ? _mm512_add_ps(acc[i][0], b0) : acc[i][0]);
-        st16(C + (m0 + i) * ldc + 16, bias ? _mm512_add_ps(acc[i][1], b1) : acc[i][1]);
+        const __m512 r0 = bias ? _mm512_add_ps(acc[i][0], b0) : acc[i][0];
+        const __m512 r1 = bias ? _mm512_add_ps(acc[i][1], b1) : acc[i][1];
+        if (Cf) { /* fp32 output of the bf16-rounded values: bf16 logits then .float(), one pass */
+            _mm512_storeu_ps(Cf + (m0 + i) * ldc, rd16(r0));
+            _mm512_storeu_ps(Cf + (m0 + i) * ldc + 16, rd16(r1));
+        } else {
+            st16(C + (m0 + i) * ldc, r0);
+            st16(C + (m0 + i) * ldc + 16, r1);
+        }
     }
 }
 
-int linear_bf16(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16_t *bias, uint16_t *C, int64_t ldc,
-                int64_t M, int64_t N, int64_t K, int nt) {
+/* out_f32: C is float [M, ldc] holding the bf16-rounded results (the LM head's logits) */
+int linear_bf16(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16_t *bias, void *C, int64_t ldc,
+                int64_t M, int64_t N, int64_t K, int nt, int out_f32) {
     if (N % 32 || K % 2) return -1;
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t nb = 0; nb < N / 32; nb++) {
         const uint16_t *w = Wp + nb * K * 32, *w_next = nb + 1 < N / 32 ? w + K * 32 : NULL;
         const uint16_t *bn = bias ? bias + nb * 32 : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += GEMM_MT) {
+            uint16_t *c = out_f32 ? NULL : (uint16_t *)C + nb * 32;
+            float *cf = out_f32 ? (float *)C + nb * 32 : NULL;
             if (M - m0 >= GEMM_MT)
-                gemm_tile(A, lda, w, bn, C + nb * 32, ldc, m0, GEMM_MT, K, m0 == 0 ? w_next : NULL);
+                gemm_tile(A, lda, w, bn, c, ldc, m0, GEMM_MT, K, m0 == 0 ? w_next : NULL, cf);
             else
-                gemm_tile(A, lda, w, bn, C + nb * 32, ldc, m0, M - m0, K, m0 == 0 ? w_next : NULL);
+                gemm_tile(A, lda, w, bn, c, ldc, m0, M - m0, K, m0 == 0 ? w_next : NULL, cf);
         }
     }
     return 0;
@@ -689,8 +699,8 @@ int linear_bf16(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16
     BF16_CASE(DIM, 5) BF16_CASE(DIM, 6) BF16_CASE(DIM, 7) BF16_CASE(DIM, 8)
 #else
 #define HAVE_AVX512_BF16 0
-int linear_bf16(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16_t *bias, uint16_t *C, int64_t ldc,
-                int64_t M, int64_t N, int64_t K, int nt) {
+int linear_bf16(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16_t *bias, void *C, int64_t ldc,
+                int64_t M, int64_t N, int64_t K, int nt, int out_f32) {
     return -1; /* needs AVX-512 BF16 */
 }
 #endif
