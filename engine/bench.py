@@ -51,9 +51,10 @@ def _rate(fn, flops: float, reps: int) -> float:
 
 
 def peak_flops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> dict[str, float]:
-    """FLOP/s of two microbenchmarks: a square matmul, and a linear with the weight
-    pre-packed for oneDNN (what the engine's linears run; faster on CPU bf16). The peak
-    is the larger: the roofline must not flatter the engine."""
+    """FLOP/s of matmul microbenchmarks at n x n x n: torch's matmul, a linear with the
+    weight pre-packed for oneDNN, and the native bf16 GEMM of the cpu backend (what the
+    engine's linears run). The peak is the largest: the roofline must not flatter the
+    engine."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     rates = {"matmul": _rate(lambda: a @ b, 2 * n**3, reps)}
     from layerscope.engine.parallel.layers import can_prepack
@@ -62,6 +63,11 @@ def peak_flops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> dict[str, fl
         packed = torch.ops.mkldnn._reorder_linear_weight(b)
         rates["packed_linear"] = _rate(
             lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), 2 * n**3, reps)
+    from layerscope.kernels import cpu_native
+
+    if dtype == torch.bfloat16 and cpu_native.can_pack_linear(b):
+        native = cpu_native.pack_linear_weight(b)
+        rates["native_linear"] = _rate(lambda: cpu_native.linear(a, native), 2 * n**3, reps)
     rates["peak"] = max(rates.values())
     return rates
 

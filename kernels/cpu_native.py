@@ -101,6 +101,8 @@ _lock = threading.Lock()
 def library() -> ctypes.CDLL:
     """The loaded kernel library (built on first use)."""
     global _lib
+    if _lib is not None:  # every kernel call asks: no lock once loaded
+        return _lib
     with _lock:
         if _lib is None:
             lib = ctypes.CDLL(str(build()))
