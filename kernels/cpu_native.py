@@ -287,7 +287,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-           float_out: bool = False) -> torch.Tensor:
+           float_out: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for bf16 with ``packed = pack_linear_weight(W)``;
     ``float_out``: ``F.linear(...).float()`` in one pass (the LM head's logits).
 
@@ -299,7 +299,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], n), dtype=torch.float32 if float_out else torch.bfloat16)
+    if out is None:
+        out = torch.empty((x2.shape[0], n), dtype=torch.float32 if float_out else torch.bfloat16)
     if x2.shape[0]:
         b = None if bias is None else bias.contiguous()
         rc = library().linear_bf16(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
