@@ -319,31 +319,42 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (20 if device == "cuda" else 3)
     warmup = 3 if device == "cuda" else 1
 
-    cases = build_cases(tri, ref, shapes, dtype, device, g)
-    if args.kernels:
-        wanted = {k.strip() for k in args.kernels.split(",") if k.strip()}
-        unknown = wanted - {c.name for c in cases}
-        if unknown:
-            print(f"bench: unknown kernels {sorted(unknown)}", file=sys.stderr)
-            return 2
-        cases = [c for c in cases if c.name in wanted]
+    cases = select_cases(build_cases(tri, ref, shapes, dtype, device, g), args.kernels)
+    if cases is None:
+        return 2
 
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"layerscope kernel bench: device={name} dtype={args.dtype} shapes={'quick' if quick else 'realistic'} "
           f"reps={reps} triton={triton.__version__}{' (interpreter)' if interp else ''} torch={torch.__version__}")
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=device) if device == "cuda" else None
+    return run_cases(cases, device, "triton", reps, warmup, flush)
 
+
+def select_cases(cases: list[Case], kernels: str) -> list[Case] | None:
+    """The cases named in ``kernels`` (comma-separated; all when empty); None if one is unknown."""
+    if not kernels:
+        return cases
+    wanted = {k.strip() for k in kernels.split(",") if k.strip()}
+    unknown = wanted - {c.name for c in cases}
+    if unknown:
+        print(f"bench: unknown kernels {sorted(unknown)}", file=sys.stderr)
+        return None
+    return [c for c in cases if c.name in wanted]
+
+
+def run_cases(cases: list[Case], device: str, impl: str, reps: int, warmup: int, flush: torch.Tensor | None) -> int:
+    """Check, time and tabulate every case; 1 if any fails its reference check."""
     results = []
     for case in cases:
         err, ok = case.check()
-        t_tri = time_fn(case.triton, device, reps, warmup, flush)
+        t_impl = time_fn(case.triton, device, reps, warmup, flush)
         t_ref = time_fn(case.torch, device, reps, warmup, flush)
-        gbps = case.io_bytes / t_tri / 1e9 if t_tri > 0 else 0.0
-        results.append(Result(case.name, case.shape, err, ok, t_tri, t_ref, gbps))
+        gbps = case.io_bytes / t_impl / 1e9 if t_impl > 0 else 0.0
+        results.append(Result(case.name, case.shape, err, ok, t_impl, t_ref, gbps))
         print(f"  {case.name}: {'PASS' if ok else 'FAIL'} (max abs err {err:.2e})", flush=True)
     print()
-    print(format_table(results, device, "triton"))
+    print(format_table(results, device, impl))
     failed = [r.name for r in results if not r.ok]
     if failed:
         print(f"\nFAILED: {', '.join(failed)}")
@@ -360,33 +371,15 @@ def main_cpu(args) -> int:
     g = torch.Generator().manual_seed(args.seed)
     shapes = quick_shapes(g) if args.quick else cpu_shapes(g)
     reps = args.reps or 20
-    cases = build_cases(cpu_native, reference, shapes, dtype, "cpu", g)
-    if args.kernels:
-        wanted = {k.strip() for k in args.kernels.split(",") if k.strip()}
-        if wanted - {c.name for c in cases}:
-            print(f"bench: unknown kernels {sorted(wanted - {c.name for c in cases})}", file=sys.stderr)
-            return 2
-        cases = [c for c in cases if c.name in wanted]
+    cases = select_cases(build_cases(cpu_native, reference, shapes, dtype, "cpu", g), args.kernels)
+    if cases is None:
+        return 2
     avx = bool(cpu_native.library().has_avx512_bf16())
     print(f"layerscope kernel bench: impl=cpu (native C, AVX-512 BF16 path {'on' if avx else 'off'}) dtype={args.dtype} "
           f"shapes={'quick' if args.quick else '100m decode step'} reps={reps} threads={torch.get_num_threads()} "
           f"torch={torch.__version__}")
     flush = torch.empty(64 * 1024 * 1024, dtype=torch.int8)  # > L3: each timed call starts cold
-    results = []
-    for case in cases:
-        err, ok = case.check()
-        t_nat = time_fn(case.triton, "cpu", reps, 2, flush)
-        t_ref = time_fn(case.torch, "cpu", reps, 2, flush)
-        results.append(Result(case.name, case.shape, err, ok, t_nat, t_ref, case.io_bytes / t_nat / 1e9))
-        print(f"  {case.name}: {'PASS' if ok else 'FAIL'} (max abs err {err:.2e})", flush=True)
-    print()
-    print(format_table(results, "cpu", "cpu"))
-    failed = [r.name for r in results if not r.ok]
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}")
-        return 1
-    print(f"\nall {len(results)} kernels match the torch reference")
-    return 0
+    return run_cases(cases, "cpu", "cpu", reps, 2, flush)
 
 
 if __name__ == "__main__":

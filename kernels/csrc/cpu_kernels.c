@@ -52,32 +52,12 @@ static inline float round_bf16_finite(float f) {
     return f;
 }
 
-/* exp(x) for x <= 0 (softmax after max subtraction): Cody-Waite reduction and a degree-6
- * polynomial, ~1 ulp in float32; pure arithmetic so that loops over it vectorize. */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
+/* exp(x) for x in [-87.3, 88.8]: Cody-Waite reduction and a degree-6 polynomial, ~1 ulp
+ * in float32; pure arithmetic so that loops over it vectorize. 2^n is applied as
+ * 2^(n-1) * 2 so that n = 128 is reachable (overflow to inf above ~88.72); n = -126
+ * gives 0 (expf's denormal tail, ~1e-38, is dropped). */
+static inline float exp_core(float x) {
     const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* rint via 1.5 * 2^23 */
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t e = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, 4);
-    return p * scale;
-}
-
-/* exp(x) for any x by the same method: 2^n applied as 2^(n-1) * 2 so that n = 128 is
- * reachable; overflows to inf above ~88.72, flushes to 0 below ~-87.3 (expf's denormal
- * tail). Used by silu, where that tail is rounded away. */
-static inline float exp_any(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.8f ? 88.8f : x);
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -92,6 +72,12 @@ static inline float exp_any(float x) {
     memcpy(&scale, &e, 4);
     return p * scale * 2.0f;
 }
+
+/* exp(x) for x <= 0 (softmax after the max is subtracted) */
+static inline float exp_nonpos(float x) { return exp_core(x < -87.3f ? -87.3f : x); }
+
+/* exp(x) for any x (silu): saturates like expf, to inf above ~88.72 and 0 below -87.3 */
+static inline float exp_any(float x) { return exp_core(x < -87.3f ? -87.3f : (x > 88.8f ? 88.8f : x)); }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* bf16 vector helpers: 16 lanes; vcvtneps2bf16 rounds to nearest even like torch's cast
@@ -381,6 +367,43 @@ int argmax_rows(const float *x, int64_t ld, int64_t N, int64_t V, int64_t *out, 
     return 0;
 }
 
+/* scores [Hq, max_len] (first len used): raw q . k sums -> probabilities. With dt = bf16
+ * they are rounded where the reference (HF's eager attention) rounds: the matmul output
+ * before scaling, and the probabilities before P @ V; the softmax itself runs in fp32. */
+static inline __attribute__((always_inline)) void softmax_rows(const int dt, float *scores, int64_t Hq, int64_t len,
+                                                               int64_t max_len, float scale) {
+    for (int64_t hq = 0; hq < Hq; hq++) {
+        float *sg = scores + hq * max_len;
+        float mx = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : mx)
+        for (int64_t l = 0; l < len; l++) {
+            const float v = (dt ? round_bf16_finite(sg[l]) : sg[l]) * scale;
+            sg[l] = v;
+            mx = v > mx ? v : mx;
+        }
+#pragma omp simd reduction(+ : sum)
+        for (int64_t l = 0; l < len; l++) {
+            sg[l] = exp_nonpos(sg[l] - mx);
+            sum += sg[l];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t l = 0; l < len; l++) sg[l] = dt ? round_bf16_finite(sg[l] * inv) : sg[l] * inv;
+    }
+}
+
+/* One token row [Hk, D] of the cache as fp32 */
+static inline __attribute__((always_inline)) void load_row_f32(const int dt, const void *cache, int64_t off,
+                                                               int64_t row, float *dst) {
+    if (dt) {
+        const uint16_t *p = (const uint16_t *)cache + off;
+#pragma omp simd
+        for (int64_t i = 0; i < row; i++) dst[i] = bf16_to_f32(p[i]);
+    } else {
+        memcpy(dst, (const float *)cache + off, sizeof(float) * (size_t)row);
+    }
+}
+
 #define MAX_D 1024
 
 /* One sequence: all its heads. Each token's K (then V) row [Hk, D] is one contiguous read.
@@ -401,14 +424,7 @@ static inline __attribute__((always_inline)) void attend(
     /* raw scores q . k (fp32 accumulation) */
     for (int64_t l = 0, blk = 0, pos = 0; l < len; l++) {
         if (pos == BS) pos = 0, blk++; /* no division in the token loop */
-        const int64_t off = ((int64_t)table[blk] * BS + pos++) * row;
-        if (dtype) {
-            const uint16_t *kp = (const uint16_t *)k_cache + off;
-#pragma omp simd
-            for (int64_t i = 0; i < row; i++) kv[i] = bf16_to_f32(kp[i]);
-        } else {
-            memcpy(kv, (const float *)k_cache + off, sizeof(float) * (size_t)row);
-        }
+        load_row_f32(dtype, k_cache, ((int64_t)table[blk] * BS + pos++) * row, row, kv);
         for (int64_t h = 0, hq = 0; h < Hk; h++) {
             const float *kh = kv + h * D;
             for (int64_t g = 0; g < G; g++, hq++) { /* no division in the token loop */
@@ -420,36 +436,11 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
-    /* rounded like the reference, scaled; softmax in fp32; probabilities rounded */
-    for (int64_t hq = 0; hq < Hq; hq++) {
-        float *sg = scores + hq * max_len;
-        float mx = -INFINITY, sum = 0.f;
-#pragma omp simd reduction(max : mx)
-        for (int64_t l = 0; l < len; l++) {
-            const float v = (dtype ? round_bf16_finite(sg[l]) : sg[l]) * scale;
-            sg[l] = v;
-            mx = v > mx ? v : mx;
-        }
-#pragma omp simd reduction(+ : sum)
-        for (int64_t l = 0; l < len; l++) {
-            sg[l] = exp_nonpos(sg[l] - mx);
-            sum += sg[l];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t l = 0; l < len; l++) sg[l] = dtype ? round_bf16_finite(sg[l] * inv) : sg[l] * inv;
-    }
+    softmax_rows(dtype, scores, Hq, len, max_len, scale);
     /* out = P @ V, fp32 accumulation */
     for (int64_t l = 0, blk = 0, pos = 0; l < len; l++) {
         if (pos == BS) pos = 0, blk++;
-        const int64_t off = ((int64_t)table[blk] * BS + pos++) * row;
-        if (dtype) {
-            const uint16_t *vp = (const uint16_t *)v_cache + off;
-#pragma omp simd
-            for (int64_t i = 0; i < row; i++) kv[i] = bf16_to_f32(vp[i]);
-        } else {
-            memcpy(kv, (const float *)v_cache + off, sizeof(float) * (size_t)row);
-        }
+        load_row_f32(dtype, v_cache, ((int64_t)table[blk] * BS + pos++) * row, row, kv);
         for (int64_t h = 0, hq = 0; h < Hk; h++) {
             const float *vh = kv + h * D;
             for (int64_t g = 0; g < G; g++, hq++) {
@@ -469,28 +460,6 @@ store:
     }
 }
 
-/* scores [Hq, max_len] (first len used), raw q . k sums -> bf16-rounded probabilities:
- * rounded like the reference's bf16 matmul output, scaled, softmax in fp32, rounded. */
-static inline void softmax_rows_bf16(float *scores, int64_t Hq, int64_t len, int64_t max_len, float scale) {
-    for (int64_t hq = 0; hq < Hq; hq++) {
-        float *sg = scores + hq * max_len;
-        float mx = -INFINITY, sum = 0.f;
-#pragma omp simd reduction(max : mx)
-        for (int64_t l = 0; l < len; l++) {
-            const float v = round_bf16_finite(sg[l]) * scale;
-            sg[l] = v;
-            mx = v > mx ? v : mx;
-        }
-#pragma omp simd reduction(+ : sum)
-        for (int64_t l = 0; l < len; l++) {
-            sg[l] = exp_nonpos(sg[l] - mx);
-            sum += sg[l];
-        }
-        const float inv = 1.f / sum;
-#pragma omp simd
-        for (int64_t l = 0; l < len; l++) sg[l] = round_bf16_finite(sg[l] * inv);
-    }
-}
 
 #define PREFETCH_AHEAD 24
 /* A cursor over one sequence's tokens in the paged cache, advanced without divisions
@@ -581,7 +550,7 @@ static inline __attribute__((always_inline)) void attend_bf16(
             for (int64_t j = 0; j < 16 && hq0 + j < Hq; j++) scores[(hq0 + j) * max_len + l] = tmp[j];
         }
     }
-    softmax_rows_bf16(scores, Hq, len, max_len, scale);
+    softmax_rows(1, scores, Hq, len, max_len, scale);
     for (int64_t i = 0; i < Hq * D; i++) acc[i] = 0.f;
     cursor vc = cursor_at(table, BS, row, 0), vpf = cursor_at(table, BS, row, PREFETCH_AHEAD);
     for (int64_t l = 0; l < len; l += 2) {
