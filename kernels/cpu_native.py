@@ -114,9 +114,9 @@ def library() -> ctypes.CDLL:
             i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
             for name, args in {
                 "rms_norm": [i32, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32],
-                "rotary": [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32],
+                "rotary": [i32, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i32],
                 "silu_and_mul": [i32, ptr, i64, ptr, i64, i64, i32],
-                "write_kv": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
+                "write_kv": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64],
                 "argmax_rows": [ptr, i64, i64, i64, ptr, i32],
                 "linear_bf16": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32],
             }.items():
@@ -209,14 +209,6 @@ def fused_add_rms_norm(
     return out, new_residual
 
 
-def _rope_one(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    t, nh, d = x.shape
-    out = torch.empty((t, nh, d), dtype=x.dtype)
-    library().rotary(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin.data_ptr(),
-                     out.data_ptr(), t, nh, d, _threads(x.numel()))
-    return out
-
-
 def rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +221,13 @@ def rotary(
              and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[1] == q.shape[2]) or q.shape[0] == 0):
         return reference.rotary(q, k, positions, cos_sin_cache)
     pos = positions.to(torch.int64).contiguous()
-    return _rope_one(q, pos, cos_sin_cache), _rope_one(k, pos, cos_sin_cache)
+    t, nq, d = q.shape
+    q_out = torch.empty((t, nq, d), dtype=q.dtype)
+    k_out = torch.empty((t, k.shape[1], d), dtype=k.dtype)
+    library().rotary(_DTYPES[q.dtype], q.data_ptr(), q.stride(0), nq, k.data_ptr(), k.stride(0), k.shape[1],
+                     pos.data_ptr(), cos_sin_cache.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), t, d,
+                     _threads(q.numel() + k.numel()))
+    return q_out, k_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -254,10 +252,12 @@ def write_kv(
             and v_cache.dtype == k_cache.dtype and k.shape[0] == slot_mapping.shape[0]):
         return reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
     slots = slot_mapping.to(torch.int64).contiguous()
-    if slots.numel() and int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]:
-        raise IndexError(f"slot {int(slots.max())} outside a cache of {k_cache.shape[0] * k_cache.shape[1]} slots")
-    library().write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                       v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], k.element_size())
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    bad = library().write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                             v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2],
+                             k.element_size(), num_slots)
+    if bad:
+        raise IndexError(f"slot {int(slots[bad - 1])} outside a cache of {num_slots} slots")
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

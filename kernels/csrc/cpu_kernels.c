@@ -256,19 +256,27 @@ static inline __attribute__((always_inline)) void rope_rows(
     }
 }
 
-int rotary(int dt, const void *x, int64_t x_stride, const int64_t *positions, const float *cos_sin, void *out,
-           int64_t T, int64_t NH, int64_t D, int nt) {
+static inline void rope_part(int dt, const void *x, int64_t x_stride, const int64_t *positions,
+                             const float *cos_sin, void *out, int64_t t0, int64_t t1, int64_t NH, int64_t D) {
+#if VEC_BF16
+    if (dt && (D / 2) % 16 == 0) {
+        rope_rows_bf16v(x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
+        return;
+    }
+#endif
+    if (dt) rope_rows(1, x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
+    else rope_rows(0, x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
+}
+
+/* q [T, NQ, D] and k [T, NK, D] (token strides q_stride, k_stride) in one call */
+int rotary(int dt, const void *q, int64_t q_stride, int64_t NQ, const void *k, int64_t k_stride, int64_t NK,
+           const int64_t *positions, const float *cos_sin, void *q_out, void *k_out, int64_t T, int64_t D, int nt) {
     if (D % 2) return -1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         SPLIT_ROWS(T);
-#if VEC_BF16
-        if (dt && (D / 2) % 16 == 0)
-            rope_rows_bf16v(x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
-        else
-#endif
-        if (dt) rope_rows(1, x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
-        else rope_rows(0, x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
+        rope_part(dt, q, q_stride, positions, cos_sin, q_out, t0, t1, NQ, D);
+        rope_part(dt, k, k_stride, positions, cos_sin, k_out, t0, t1, NK, D);
     }
     return 0;
 }
@@ -300,9 +308,12 @@ int silu_and_mul(int dt, const void *x, int64_t x_stride, void *out, int64_t T, 
     return 0;
 }
 
-/* ---- write_kv: rows of [Hk * D] elements into the paged cache at slot_mapping (< 0: skip) */
+/* ---- write_kv: rows of [Hk * D] elements into the paged cache at slot_mapping (< 0: skip);
+ * returns 1 + the first token whose slot is past the cache (nothing written then) */
 int write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache, void *v_cache,
-             const int64_t *slots, int64_t T, int64_t row, int64_t elem) {
+             const int64_t *slots, int64_t T, int64_t row, int64_t elem, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++) /* all checked before anything is written */
+        if (slots[t] >= num_slots) return (int)(t + 1);
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
         memcpy((char *)k_cache + slots[t] * row * elem, (const char *)k + t * k_stride * elem, (size_t)(row * elem));
