@@ -15,10 +15,11 @@ TTFT decomposition (all intervals on the host's monotonic clock):
 * ``engine.queue``: [engine arrival, first scheduled].
 * ``engine.kv``: every preempted interval [preempted, resumed].
 * For each engine step the request took part in, up to the one that sampled its first
-  token, the step is cut into three slices: ``engine.schedule`` [start, start+schedule],
-  ``model.forward`` the prepare+forward+sample slice that ends where the output phase
-  begins, and ``engine.output`` [output start, end] (detokenization/streaming work of
-  the batch the request waited behind). The step's TP collective time (rank 0) moves
+  token, the step is cut into slices: ``engine.schedule`` [start, start+schedule] and
+  the input-preparation slice (host time, DESIGN's engine.schedule row), then
+  ``model.forward`` the forward+sample slice that ends where the output phase begins,
+  and ``engine.output`` [output start, end] (detokenization/streaming work of the
+  batch the request waited behind). The step's TP collective time (rank 0) moves
   from ``model.forward`` to ``parallel.collective``.
 * Where slices overlap (the request is scheduled, or preempted, inside a step's
   schedule phase) the queue/kv interval wins; each instant counts once.
@@ -173,8 +174,10 @@ def engine_row(
             if st.start_ns >= first:
                 break
             t2 = st.end_ns - st.output_ns
+            t_fwd = t2 - st.forward_ns - st.sample_ns
             intervals.append((st.start_ns, st.start_ns + st.schedule_ns, "engine.schedule"))
-            intervals.append((t2 - st.prepare_ns - st.forward_ns - st.sample_ns, t2, "model.forward"))
+            intervals.append((t_fwd - st.prepare_ns, t_fwd, "engine.schedule"))  # input preparation
+            intervals.append((t_fwd, t2, "model.forward"))
             intervals.append((t2, st.end_ns, "engine.output"))
             coll += collective_ns.get(st.step_id, 0)
         totals = _sweep(intervals, arrival, first)

@@ -64,8 +64,10 @@ def _reference(steps, member, arrival, scheduled, first, preempted, coll):
         if s.start_ns >= first:
             continue
         t2 = s.end_ns - s.output_ns
+        t_fwd = t2 - s.forward_ns - s.sample_ns
         slices += [(s.start_ns, s.start_ns + s.schedule_ns, "engine.schedule"),
-                   (t2 - s.prepare_ns - s.forward_ns - s.sample_ns, t2, "model.forward"),
+                   (t_fwd - s.prepare_ns, t_fwd, "engine.schedule"),  # input preparation is host time
+                   (t_fwd, t2, "model.forward"),
                    (t2, s.end_ns, "engine.output")]
     total = {}
     for x in range(arrival, first):
