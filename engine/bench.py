@@ -24,7 +24,10 @@ import torch
 
 from layerscope.engine.llm import LLM
 from layerscope.engine.models.create import create_model
+from layerscope.engine.parallel.layers import can_prepack
+from layerscope.engine.recorder import ListRecorder
 from layerscope.engine.sampling_params import SamplingParams
+from layerscope.kernels import cpu_native
 
 
 def lognormal_lengths(n: int, lo: int, hi: int, rng: random.Random) -> list[int]:
@@ -57,14 +60,10 @@ def peak_flops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> dict[str, fl
     engine."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     rates = {"matmul": _rate(lambda: a @ b, 2 * n**3, reps)}
-    from layerscope.engine.parallel.layers import can_prepack
-
     if can_prepack(dtype, "cpu"):
         packed = torch.ops.mkldnn._reorder_linear_weight(b)
         rates["packed_linear"] = _rate(
             lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), 2 * n**3, reps)
-    from layerscope.kernels import cpu_native
-
     if dtype == torch.bfloat16 and cpu_native.can_pack_linear(b):
         native = cpu_native.pack_linear_weight(b)
         rates["native_linear"] = _rate(lambda: cpu_native.linear(a, native), 2 * n**3, reps)
@@ -114,8 +113,6 @@ def decode_roofline(llm: LLM, batch: int, ctx: int, flops_peak: float, bw_peak: 
     The step is the whole engine step (schedule, prepare inputs, forward, sample, output
     processing), timed from outside; the recorder's phase split says where it went.
     """
-    from layerscope.engine.recorder import ListRecorder
-
     eng = llm.engine
     vocab = eng.spec.vocab_size
     rng = random.Random(1)

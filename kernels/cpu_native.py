@@ -11,9 +11,9 @@ table: no gather copies, no padding), ``rms_norm``, ``fused_add_rms_norm``, ``ro
 ``silu_and_mul`` and ``write_kv`` (one pass each, rounding where torch's bf16 ops
 round), ``argmax`` for the sampler's greedy rows, and a bf16 ``linear`` over weights
 packed once at load (``pack_linear_weight``; the model's linear layers use it when the
-engine runs this backend). ``prefill_attention`` is the reference (SDPA). Inputs a native kernel does
-not cover (other dtypes, non-CPU tensors, unusual strides) fall back to the reference,
-so the backend is always correct, only sometimes not faster.
+engine runs this backend). ``prefill_attention`` is the reference (SDPA). Inputs a
+native kernel does not cover (other dtypes, non-CPU tensors, unusual strides) fall back
+to the reference, so the backend is always correct, only sometimes not faster.
 """
 
 from __future__ import annotations
@@ -106,13 +106,10 @@ def library() -> ctypes.CDLL:
     with _lock:
         if _lib is None:
             lib = ctypes.CDLL(str(build()))
-            f = lib.decode_attention
-            f.restype = ctypes.c_int
-            f.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                          ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-            lib.has_avx512_bf16.restype = ctypes.c_int
             i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
             for name, args in {
+                "decode_attention": [i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, i32, i32],
+                "has_avx512_bf16": [],
                 "rms_norm": [i32, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32],
                 "rotary": [i32, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i32],
                 "silu_and_mul": [i32, ptr, i64, ptr, i64, i64, i32],
@@ -170,7 +167,7 @@ def decode_attention(
         code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens.data_ptr(), out.data_ptr(), b, hq, hk, d, bs, float(scale), torch.get_num_threads(), int(generic),
     )
-    if rc != 0:  # sizes outside the kernel's limits (head_dim > 1024, > 64 query heads per kv head)
+    if rc != 0:  # outside the kernel's limits (head_dim > 1024) or out of memory for its scratch
         return reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return out
 
@@ -287,7 +284,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-           float_out: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+           float_out: bool = False) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for bf16 with ``packed = pack_linear_weight(W)``;
     ``float_out``: ``F.linear(...).float()`` in one pass (the LM head's logits).
 
@@ -299,8 +296,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if out is None:
-        out = torch.empty((x2.shape[0], n), dtype=torch.float32 if float_out else torch.bfloat16)
+    out = torch.empty((x2.shape[0], n), dtype=torch.float32 if float_out else torch.bfloat16)
     if x2.shape[0]:
         b = None if bias is None else bias.contiguous()
         rc = library().linear_bf16(x2.data_ptr(), x2.stride(0), packed.data_ptr(),

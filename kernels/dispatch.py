@@ -55,7 +55,8 @@ except ImportError:  # pragma: no cover - older/newer torch without the private 
         return True
 
 
-def _named(name: str, fn: Callable) -> Callable:
+def named_op(name: str, fn: Callable) -> Callable:
+    """``fn`` under the profiler name ``layerscope::<name>`` while a profiler is active."""
     label = f"layerscope::{name}"
 
     def call(*args, **kwargs):
@@ -101,7 +102,7 @@ class KernelOps:
             fn = getattr(module, name)
             if slowdown > 1.0 or launch_gap_us > 0:
                 fn = _faulty(fn, slowdown, int(launch_gap_us * 1000))
-            setattr(self, name, _named(name, fn))
+            setattr(self, name, named_op(name, fn))
 
 
 def get_kernel_ops(backend: str, slowdown: float = 1.0, launch_gap_us: float = 0.0) -> KernelOps:

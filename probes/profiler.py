@@ -49,7 +49,7 @@ def op_category(name: str) -> str:
 
 
 def _is_op(name: str) -> bool:
-    if name.startswith(("aten::", "mkldnn::")) or name.startswith(("gloo:", "nccl:", "c10d::")):
+    if name.startswith(("aten::", "mkldnn::", "gloo:", "nccl:", "c10d::")):
         return True
     return name.startswith("layerscope::") and not name.startswith(STEP_PREFIX)
 

@@ -195,7 +195,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def execute_run(args: argparse.Namespace) -> Path:
     """Serve, load, stop, write one bundle. Returns the bundle path."""
     from layerscope.engine.gateway.cli import build_gateway
-    from layerscope.engine.gateway.server import ServerThread
+    from layerscope.engine.gateway.server import serving
     from layerscope.regressions.loadgen import run_load, server_in_process
 
     spec = workload_from_args(args)
@@ -207,22 +207,14 @@ def execute_run(args: argparse.Namespace) -> Path:
         args.probes = "full"
         recorder_kwargs = PROFILES[args.profile]
     gateway = build_gateway(args, record=True, recorder_kwargs=recorder_kwargs)
-    server = None
-    try:
-        gateway.start(timeout_s=args.startup_timeout)
+    with serving(gateway, args.startup_timeout) as url:
         requests = spec.build(gateway.tokenizer)
-        server = ServerThread(gateway)
-        url = server.start()
         with server_in_process():
             result = run_load(url, spec, requests, progress=_progress(args), timeout_s=args.timeout)
         gateway.wait_idle()
         exports = gateway.collect_replica_records()
         if gateway.recording:
             gateway.recorder.stop()
-    finally:
-        if server is not None:
-            server.stop()
-        gateway.shutdown()
     summary = result.summary()
     writer = _bundle_writer_class()(
         out, command=_command("run", args), config=gateway.config, resolved=gateway.resolved[0],

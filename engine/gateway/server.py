@@ -294,6 +294,21 @@ class ServerThread:
         self._thread.join(timeout_s)
 
 
+@contextlib.contextmanager
+def serving(gateway: Gateway, startup_timeout_s: float = 300.0):
+    """Start ``gateway``'s replicas and an in-process HTTP server on 127.0.0.1; yield its
+    URL; stop the server and shut the gateway down on the way out (also on errors)."""
+    server = None
+    try:
+        gateway.start(timeout_s=startup_timeout_s)
+        server = ServerThread(gateway)
+        yield server.start()
+    finally:
+        if server is not None:
+            server.stop()
+        gateway.shutdown()
+
+
 def serve(gateway: Gateway, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
           announce=print) -> None:
     """Serve in the foreground until SIGINT/SIGTERM; ``announce`` gets the listening line."""

@@ -171,9 +171,28 @@ class Attention(nn.Module):
         meta = ctx.attn
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         n_pre = meta.num_prefill_tokens
-        if not meta.num_prefills:  # decode-only step: no output buffer to assemble
-            out = self.ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
-            return self.o_proj(out.view(t, self.num_heads * d))
+        parts = []  # prefill rows come first in the batch, then one row per decode
+        if meta.num_prefills:
+            parts.append(self.ops.prefill_attention(
+                q[:n_pre],
+                k_cache,
+                v_cache,
+                meta.block_tables[: meta.num_prefills],
+                meta.seq_lens[: meta.num_prefills],
+                meta.cu_seqlens_q,
+                self.scale,
+            ))
+        if meta.num_decodes:
+            parts.append(self.ops.decode_attention(
+                q[n_pre:],
+                k_cache,
+                v_cache,
+                meta.block_tables[meta.num_prefills :],
+                meta.seq_lens[meta.num_prefills :],
+                self.scale,
+            ))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.o_proj(out.view(t, self.num_heads * d))
         out = torch.empty_like(q)
         if meta.num_prefills:
             out[:n_pre] = self.ops.prefill_attention(

@@ -12,17 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from layerscope.engine.parallel.context import ParallelContext
+from layerscope.kernels import cpu_native
+from layerscope.kernels.dispatch import named_op
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-try:  # a cheap flag read instead of entering record_function on every call
-    from torch._C._autograd import _profiler_enabled
-except ImportError:  # pragma: no cover
-    def _profiler_enabled() -> bool:
-        return True
+# the native GEMM under its profiler name, like the kernel ops (profiler windows see it)
+_native_linear = named_op("linear", cpu_native.linear)
 
 
 def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False) -> torch.Tensor:
@@ -34,12 +33,7 @@ def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, float_
     d = layer.__dict__
     native = d.get("native_weight")
     if native is not None:
-        from layerscope.kernels import cpu_native
-
-        if not _profiler_enabled():
-            return cpu_native.linear(x, native, bias, float_out)
-        with torch.profiler.record_function("layerscope::linear"):  # profiler windows see it by name
-            return cpu_native.linear(x, native, bias, float_out)
+        return _native_linear(x, native, bias, float_out)
     packed = d.get("packed_weight")
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -71,8 +65,6 @@ def prepack_linears(model: nn.Module, native: bool = False) -> int:
     32. Costs a second copy of those weights (the plain one stays: loaders, TP shards,
     tied embeddings). Call after the weights are loaded; returns the number packed.
     """
-    if native:
-        from layerscope.kernels import cpu_native
     n = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):

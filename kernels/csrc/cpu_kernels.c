@@ -11,10 +11,12 @@
  *
  * Paged decode attention reads K/V straight from the paged cache
  * [num_blocks, block_size, Hk, D] through the block table: no gather, no padding.
- * One task per (sequence, kv head) pair; its g = Hq / Hk query heads share each K/V
- * row load. Rounding follows the reference (and HF's eager attention): scores are
- * rounded to the activation dtype before scaling and softmax (fp32), probabilities
- * are rounded to the activation dtype before P @ V, which accumulates in fp32.
+ * One task per sequence; each token's row [Hk, D] is read once for all its heads.
+ * Rounding follows the reference (and HF's eager attention): scores are rounded to
+ * the activation dtype before scaling and softmax (fp32), probabilities are rounded to
+ * the activation dtype before P @ V, which accumulates in fp32.
+ *
+ * The bf16 linear layers' GEMM is here too (linear_bf16, over weights packed at load).
  */
 #include <math.h>
 #include <omp.h>
@@ -56,16 +58,17 @@ static inline float round_bf16_finite(float f) {
  * in float32; pure arithmetic so that loops over it vectorize. 2^n is applied as
  * 2^(n-1) * 2 so that n = 128 is reachable (overflow to inf above ~88.72); n = -126
  * gives 0 (expf's denormal tail, ~1e-38, is dropped). */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f /* ln 2 split for the reduction r = x - n ln 2 */
+#define EXP_LN2_LO -2.12194440e-4f
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 static inline float exp_core(float x) {
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* rint via 1.5 * 2^23 */
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    const float n = (x * EXP_LOG2E + 12582912.0f) - 12582912.0f; /* rint via 1.5 * 2^23 */
+    const float r = (x - n * EXP_LN2_HI) - n * EXP_LN2_LO;
+    float p = EXP_POLY[0];
+    for (int i = 1; i < 6; i++) p = p * r + EXP_POLY[i];
     p = p * r * r + r + 1.0f;
     const int32_t e = ((int32_t)n + 126) << 23;
     float scale;
@@ -90,19 +93,15 @@ static inline void st16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)
 static inline __m512 rd16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
-/* exp_any, 16 lanes */
+/* exp_any, 16 lanes (exp_core's method and constants) */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.8f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(EXP_LN2_HI))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(EXP_LN2_LO)));
+    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 6; i++) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(EXP_POLY[i]));
     p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
     return _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(e)), _mm512_set1_ps(2.0f));
@@ -417,61 +416,6 @@ static inline __attribute__((always_inline)) void load_row_f32(const int dt, con
 
 #define MAX_D 1024
 
-/* One sequence: all its heads. Each token's K (then V) row [Hk, D] is one contiguous read.
- * Always inlined into callers that pass D and dtype as constants, so the loops over D
- * are fully unrolled and vectorized. scratch: Hq * max_len + 2 * Hq * D + Hk * D floats. */
-static inline __attribute__((always_inline)) void attend(
-    const int dtype, const int64_t D, const void *q, const void *k_cache, const void *v_cache,
-    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, void *out, int64_t Hq,
-    int64_t Hk, int64_t BS, float scale, int64_t max_len, int64_t b, float *scratch) {
-    const int64_t G = Hq / Hk, row = Hk * D, len = seq_lens[b];
-    const int32_t *table = block_tables + b * bt_stride;
-    float *scores = scratch, *qf = scores + Hq * max_len, *acc = qf + Hq * D, *kv = acc + Hq * D;
-    for (int64_t i = 0; i < Hq * D; i++) {
-        qf[i] = dtype ? bf16_to_f32(((const uint16_t *)q)[b * Hq * D + i]) : ((const float *)q)[b * Hq * D + i];
-        acc[i] = 0.f;
-    }
-    if (len <= 0) goto store;
-    /* raw scores q . k (fp32 accumulation) */
-    for (int64_t l = 0, blk = 0, pos = 0; l < len; l++) {
-        if (pos == BS) pos = 0, blk++; /* no division in the token loop */
-        load_row_f32(dtype, k_cache, ((int64_t)table[blk] * BS + pos++) * row, row, kv);
-        for (int64_t h = 0, hq = 0; h < Hk; h++) {
-            const float *kh = kv + h * D;
-            for (int64_t g = 0; g < G; g++, hq++) { /* no division in the token loop */
-                const float *qh = qf + hq * D;
-                float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
-                scores[hq * max_len + l] = s;
-            }
-        }
-    }
-    softmax_rows(dtype, scores, Hq, len, max_len, scale);
-    /* out = P @ V, fp32 accumulation */
-    for (int64_t l = 0, blk = 0, pos = 0; l < len; l++) {
-        if (pos == BS) pos = 0, blk++;
-        load_row_f32(dtype, v_cache, ((int64_t)table[blk] * BS + pos++) * row, row, kv);
-        for (int64_t h = 0, hq = 0; h < Hk; h++) {
-            const float *vh = kv + h * D;
-            for (int64_t g = 0; g < G; g++, hq++) {
-                const float p = scores[hq * max_len + l];
-                float *ah = acc + hq * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) ah[d] += p * vh[d];
-            }
-        }
-    }
-store:
-    if (dtype) {
-        uint16_t *o = (uint16_t *)out + b * Hq * D;
-        for (int64_t i = 0; i < Hq * D; i++) o[i] = f32_to_bf16(acc[i]);
-    } else {
-        memcpy((float *)out + b * Hq * D, acc, sizeof(float) * (size_t)(Hq * D));
-    }
-}
-
-
 #define PREFETCH_AHEAD 24
 /* A cursor over one sequence's tokens in the paged cache, advanced without divisions
  * (64-bit divides would cost as much as the math of a token). */
@@ -499,8 +443,63 @@ static inline void prefetch_next(cursor *pf, const void *cache, int64_t l, int64
     for (int64_t off = 0; off < pf->row * 2; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
+
+/* One sequence: all its heads. Each token's K (then V) row [Hk, D] is one contiguous read.
+ * Always inlined into callers that pass D and dtype as constants, so the loops over D
+ * are fully unrolled and vectorized. scratch: Hq * max_len + 2 * Hq * D + Hk * D floats. */
+static inline __attribute__((always_inline)) void attend(
+    const int dtype, const int64_t D, const void *q, const void *k_cache, const void *v_cache,
+    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, void *out, int64_t Hq,
+    int64_t Hk, int64_t BS, float scale, int64_t max_len, int64_t b, float *scratch) {
+    const int64_t G = Hq / Hk, row = Hk * D, len = seq_lens[b];
+    const int32_t *table = block_tables + b * bt_stride;
+    float *scores = scratch, *qf = scores + Hq * max_len, *acc = qf + Hq * D, *kv = acc + Hq * D;
+    for (int64_t i = 0; i < Hq * D; i++) {
+        qf[i] = dtype ? bf16_to_f32(((const uint16_t *)q)[b * Hq * D + i]) : ((const float *)q)[b * Hq * D + i];
+        acc[i] = 0.f;
+    }
+    if (len <= 0) goto store;
+    /* raw scores q . k (fp32 accumulation) */
+    cursor kc = cursor_at(table, BS, row, 0);
+    for (int64_t l = 0; l < len; l++) {
+        load_row_f32(dtype, k_cache, cursor_next(&kc), row, kv);
+        for (int64_t h = 0, hq = 0; h < Hk; h++) {
+            const float *kh = kv + h * D;
+            for (int64_t g = 0; g < G; g++, hq++) {
+                const float *qh = qf + hq * D;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < D; d++) s += qh[d] * kh[d];
+                scores[hq * max_len + l] = s;
+            }
+        }
+    }
+    softmax_rows(dtype, scores, Hq, len, max_len, scale);
+    /* out = P @ V, fp32 accumulation */
+    cursor vc = cursor_at(table, BS, row, 0);
+    for (int64_t l = 0; l < len; l++) {
+        load_row_f32(dtype, v_cache, cursor_next(&vc), row, kv);
+        for (int64_t h = 0, hq = 0; h < Hk; h++) {
+            const float *vh = kv + h * D;
+            for (int64_t g = 0; g < G; g++, hq++) {
+                const float p = scores[hq * max_len + l];
+                float *ah = acc + hq * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ah[d] += p * vh[d];
+            }
+        }
+    }
+store:
+    if (dtype) {
+        uint16_t *o = (uint16_t *)out + b * Hq * D;
+        for (int64_t i = 0; i < Hq * D; i++) o[i] = f32_to_bf16(acc[i]);
+    } else {
+        memcpy((float *)out + b * Hq * D, acc, sizeof(float) * (size_t)(Hq * D));
+    }
+}
+
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 /* 16 vectors -> one vector of their 16 horizontal sums (lane i = sum of v[i]); 45 ops
  * instead of 16 separate reductions (~8 each). */
@@ -693,7 +692,7 @@ int has_avx512_bf16(void) { return HAVE_AVX512_BF16; }
 /* dtype: 0 = float32, 1 = bfloat16. Pointers are to contiguous tensors:
  * q, out [B, Hq, D]; k_cache, v_cache [NB, BS, Hk, D]; block_tables [B, bt_stride] int32;
  * seq_lens [B] int32. generic != 0 skips the AVX-512 BF16 path (tests compare both).
- * Returns 0, or -1 for unsupported sizes (nothing written). */
+ * Returns 0, or -1 for unsupported sizes or no memory for the scratch (out incomplete). */
 int decode_attention(int dtype, const void *q, const void *k_cache, const void *v_cache,
                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                      void *out, int64_t B, int64_t Hq, int64_t Hk, int64_t D, int64_t BS,
@@ -703,11 +702,17 @@ int decode_attention(int dtype, const void *q, const void *k_cache, const void *
     for (int64_t b = 0; b < B; b++)
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
 
+    int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = (float *)malloc(sizeof(float) * (size_t)(Hq * max_len + 2 * Hq * D + Hk * D));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
+            if (!scratch) { /* the caller falls back to the reference op */
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
 #if HAVE_AVX512_BF16
             const int64_t G = Hq / Hk;
             if (dtype == 1 && !generic) {
@@ -724,5 +729,5 @@ int decode_attention(int dtype, const void *q, const void *k_cache, const void *
         }
         free(scratch);
     }
-    return 0;
+    return failed ? -1 : 0;
 }

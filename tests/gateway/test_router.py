@@ -17,7 +17,7 @@ import pytest
 from layerscope.engine.config import EngineConfig
 from layerscope.engine.gateway.gateway import Gateway
 from layerscope.engine.gateway.router import Router
-from layerscope.engine.gateway.server import ServerThread
+from layerscope.engine.gateway.server import serving
 from layerscope.regressions.loadgen import run_load
 from layerscope.regressions.workloads import builtin
 
@@ -26,12 +26,8 @@ from layerscope.regressions.workloads import builtin
 def stack(tiny_model):
     config = EngineConfig.from_overrides(model=str(tiny_model), num_kv_blocks=512, block_size=16)
     gateway = Gateway(config, num_replicas=2, probes="off", record=True, served_model_name="tiny")
-    gateway.start()
-    server = ServerThread(gateway)
-    url = server.start()
-    yield gateway, url
-    server.stop()
-    gateway.shutdown()
+    with serving(gateway) as url:
+        yield gateway, url
 
 
 def _use(gateway: Gateway, policy: str) -> None:

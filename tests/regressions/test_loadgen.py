@@ -139,16 +139,12 @@ def test_metric_definitions_and_summary():
 def stack(tiny_model):
     from layerscope.engine.config import EngineConfig
     from layerscope.engine.gateway.gateway import Gateway
-    from layerscope.engine.gateway.server import ServerThread
+    from layerscope.engine.gateway.server import serving
 
     gateway = Gateway(EngineConfig.from_overrides(model=str(tiny_model), num_kv_blocks=512), num_replicas=1,
                       probes="off", record=True, served_model_name="tiny")
-    gateway.start()
-    server = ServerThread(gateway)
-    url = server.start()
-    yield gateway, url
-    server.stop()
-    gateway.shutdown()
+    with serving(gateway) as url:
+        yield gateway, url
 
 
 def test_loadgen_agrees_with_the_servers_records(stack):
