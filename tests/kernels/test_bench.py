@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from layerscope.kernels import bench
+import pytest
+
+from layerscope.kernels import bench, cpu_native
 from layerscope.kernels.dispatch import KERNEL_NAMES
 
 
@@ -25,13 +27,8 @@ def test_bench_subset_and_unknown_kernel(capsys):
     assert bench.main(["--quick", "--device", "cpu", "--kernels", "nope"]) == 2
 
 
+@pytest.mark.skipif(not cpu_native.available(), reason="no C compiler to build the native kernels")
 def test_bench_native_cpu_kernels(capsys):
-    from layerscope.kernels import cpu_native
-
-    if not cpu_native.available():
-        import pytest
-
-        pytest.skip("no C compiler")
     assert bench.main(["--impl", "cpu", "--quick", "--reps", "2", "--dtype", "bf16"]) == 0
     out = capsys.readouterr().out
     table = out[out.index("kernel "):]
