@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a venv in .venv with layerscope (editable) and its dev extras.
-# With --system also installs the Debian packages the tests use (prometheus, tmux, chromium).
+# With --system also installs the Debian packages the tests use (prometheus, tmux, chromium,
+# and gcc for the native cpu kernels, which are otherwise skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,6 +22,7 @@ if [ "${1:-}" = "--system" ]; then
   command -v prometheus >/dev/null || need+=(prometheus)
   command -v tmux >/dev/null || need+=(tmux)
   command -v chromium >/dev/null || need+=(chromium)
+  command -v "${CC:-cc}" >/dev/null || need+=(gcc)
   if [ ${#need[@]} -gt 0 ]; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     $SUDO apt-get update -qq
