@@ -19,7 +19,9 @@ def full_run(tiny_model, tmp_path_factory):
     from layerscope.probes.offline import run_offline
 
     out = tmp_path_factory.mktemp("runs") / "full"
-    run = run_offline(tiny_model, prompts(8), params(8), out, "full",
+    # long enough for py-spy (100 Hz) to catch the engine step in ~20 samples: with the native
+    # kernels a tiny-model step takes well under a millisecond (8 requests x 8 tokens gave 2)
+    run = run_offline(tiny_model, prompts(64), params(40), out, "full",
                       recorder_options={"profile_every_steps": 8, "profile_num_steps": 2}, **ENGINE)
     return run, read_bundle(run.bundle, full=True)
 
