@@ -416,7 +416,6 @@ static inline __attribute__((always_inline)) void load_row_f32(const int dt, con
 
 #define MAX_D 1024
 
-#define PREFETCH_AHEAD 24
 /* A cursor over one sequence's tokens in the paged cache, advanced without divisions
  * (64-bit divides would cost as much as the math of a token). */
 typedef struct {
@@ -435,18 +434,12 @@ static inline int64_t cursor_next(cursor *c) {
     return ((int64_t)c->table[c->blk] * c->BS + c->pos++) * c->row;
 }
 
-/* Request the whole row [Hk, D] of the token at the prefetch cursor (PREFETCH_AHEAD tokens
- * ahead of use). __builtin_prefetch, not _mm_prefetch: GCC 12 drops the latter here. */
-static inline void prefetch_next(cursor *pf, const void *cache, int64_t l, int64_t len) {
-    if (l >= len) return;
-    const char *p = (const char *)((const uint16_t *)cache + cursor_next(pf));
-    for (int64_t off = 0; off < pf->row * 2; off += 64) __builtin_prefetch(p + off, 0, 2);
-}
 
 
 /* One sequence: all its heads. Each token's K (then V) row [Hk, D] is one contiguous read.
  * Always inlined into callers that pass D and dtype as constants, so the loops over D
- * are fully unrolled and vectorized. scratch: Hq * max_len + 2 * Hq * D + Hk * D floats. */
+ * are fully unrolled and vectorized. scratch: Hq * max_len + 2 * Hq * D + Hk * D floats
+ * (max_len: the scores' row stride). */
 static inline __attribute__((always_inline)) void attend(
     const int dtype, const int64_t D, const void *q, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, void *out, int64_t Hq,
@@ -517,79 +510,131 @@ static inline __m512 sum16(__m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
 }
 
-/* bf16 fast path (AVX-512 BF16), token by token: each token's K then V row [Hk, D] is
- * read once, front to back, with rows PREFETCH_AHEAD tokens ahead requested early (the
- * cache is far larger than the caches; this loop is bound by memory, then by issue).
- * q . k: vdpbf16ps straight from the bf16 rows (products of bf16 pairs are exact in
- * fp32), the dot products of up to 16 query heads reduced together (sum16).
+/* bf16 fast path (AVX-512 BF16) over groups of ATT_TG tokens. Each group's K (then V)
+ * rows [Hk, D] are read once; the next group's rows are requested while this one is
+ * computed, a few lines per head (a burst of prefetches would stall on the miss buffers).
+ * q . k: for each query head, the group's 16 dot products by vdpbf16ps straight from the
+ * bf16 rows (products of bf16 pairs are exact in fp32), reduced together (sum16) into
+ * one vector of 16 scores; the query rows stay in registers.
  * P @ V: vdpbf16ps over token pairs: probabilities are bf16-rounded, so (p_l, p_l+1) is
- * an exact bf16 pair against the interleaved rows (v_l[d], v_l+1[d]); the fp32
- * accumulators [Hq, D] stay in L1 in the unpack lane order, undone at the end.
+ * an exact bf16 pair (packed once per row after the softmax) against the interleaved
+ * rows (v_l[d], v_l+1[d]); per kv head and 32-wide slices of D the G query heads' fp32
+ * accumulators stay in registers across the group, kept in the unpack lane order
+ * (undone at the end).
  * Same rounding points as ``attend``; sums associate differently (fp32 ulps).
- * D (a multiple of 32) and G are constants after inlining. */
+ * D (a multiple of 32) and G are constants after inlining. ld: the row stride of the
+ * scores (>= max_len + 33, a multiple of 32); scratch as decode_attention allocates it. */
+#define ATT_TG 16
+
+/* The rows of the group after the current one, requested a slice at a time. */
+typedef struct {
+    const char *rows[ATT_TG];
+    int64_t n, next, lines; /* rows, next line to request, lines per row */
+} group_prefetch;
+
+static inline void group_prefetch_start(group_prefetch *g, cursor *c, const void *cache, int64_t l0, int64_t len) {
+    g->n = len - l0 < ATT_TG ? (len - l0 > 0 ? len - l0 : 0) : ATT_TG;
+    for (int64_t j = 0; j < g->n; j++) g->rows[j] = (const char *)((const uint16_t *)cache + cursor_next(c));
+    g->next = 0;
+    g->lines = c->row * 2 / 64;
+}
+
+/* request the next `count` lines (row by row) */
+static inline void group_prefetch_some(group_prefetch *g, int64_t count) {
+    for (int64_t end = g->next + count; g->next < end && g->next < g->n * g->lines; g->next++)
+        __builtin_prefetch(g->rows[g->next / g->lines] + (g->next % g->lines) * 64, 0, 3);
+}
+
 static inline __attribute__((always_inline)) void attend_bf16(
     const int64_t D, const int64_t G, const void *q, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, void *out, int64_t Hk,
-    int64_t BS, float scale, int64_t max_len, int64_t b, float *scratch) {
+    int64_t BS, float scale, int64_t ld, int64_t b, float *scratch) {
     const int64_t Hq = Hk * G, row = Hk * D, len = seq_lens[b];
+    /* 32-wide slices of D accumulated together: up to 16 accumulator registers, enough
+     * independent vdpbf16ps chains to hide its latency */
+    const int64_t NC = G >= 8 ? 1 : (8 / G < D / 32 ? 8 / G : D / 32);
+    const int64_t lines_per_group = ATT_TG * row * 2 / 64;
     const int32_t *table = block_tables + b * bt_stride;
     const uint16_t *qb = (const uint16_t *)q + b * Hq * D;
     uint16_t *ob = (uint16_t *)out + b * Hq * D;
-    float *scores = scratch, *acc = scratch + Hq * max_len;
+    float *scores = scratch, *acc = scratch + Hq * ld;
+    uint32_t *pairs = (uint32_t *)(acc + Hq * D); /* [Hq, ld / 2] */
     if (len <= 0) {
         memset(ob, 0, sizeof(uint16_t) * (size_t)(Hq * D));
         return;
     }
-    cursor kc = cursor_at(table, BS, row, 0), kpf = cursor_at(table, BS, row, PREFETCH_AHEAD);
-    for (int64_t l = 0; l < len; l++) {
-        const uint16_t *kp = (const uint16_t *)k_cache + cursor_next(&kc);
-        prefetch_next(&kpf, k_cache, l + PREFETCH_AHEAD, len);
-        for (int64_t hq0 = 0; hq0 < Hq; hq0 += 16) {
-            __m512 dots[16];
-            for (int64_t j = 0; j < 16; j++) {
-                const int64_t hq = hq0 + j;
+    const uint16_t *rows[ATT_TG];
+    group_prefetch pf;
+    cursor kc = cursor_at(table, BS, row, 0), kpf = cursor_at(table, BS, row, 0);
+    group_prefetch_start(&pf, &kpf, k_cache, 0, len);
+    group_prefetch_some(&pf, lines_per_group); /* the first group: at once */
+    for (int64_t l0 = 0; l0 < len; l0 += ATT_TG) {
+        const int64_t n = len - l0 < ATT_TG ? len - l0 : ATT_TG;
+        for (int64_t j = 0; j < n; j++) rows[j] = (const uint16_t *)k_cache + cursor_next(&kc);
+        for (int64_t j = n; j < ATT_TG; j++) rows[j] = rows[0]; /* scores past len: computed, unused */
+        group_prefetch_start(&pf, &kpf, k_cache, l0 + ATT_TG, len);
+        for (int64_t hq = 0; hq < Hq; hq++) {
+            group_prefetch_some(&pf, (lines_per_group + Hq - 1) / Hq);
+            const int64_t off = (hq / G) * D;
+            __m512bh qv[D / 32];
+            for (int64_t c = 0; c < D / 32; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qb + hq * D + c * 32);
+            __m512 dots[ATT_TG];
+            for (int64_t j = 0; j < ATT_TG; j++) {
                 dots[j] = _mm512_setzero_ps();
-                if (hq >= Hq) continue;
-                const uint16_t *qh = qb + hq * D, *kh = kp + (hq / G) * D;
                 for (int64_t c = 0; c < D / 32; c++)
-                    dots[j] = _mm512_dpbf16_ps(dots[j], (__m512bh)_mm512_loadu_si512(qh + c * 32),
-                                               (__m512bh)_mm512_loadu_si512(kh + c * 32));
+                    dots[j] = _mm512_dpbf16_ps(dots[j], qv[c], (__m512bh)_mm512_loadu_si512(rows[j] + off + c * 32));
             }
-            float tmp[16];
-            _mm512_storeu_ps(tmp, sum16(dots));
-            for (int64_t j = 0; j < 16 && hq0 + j < Hq; j++) scores[(hq0 + j) * max_len + l] = tmp[j];
+            _mm512_storeu_ps(scores + hq * ld + l0, sum16(dots));
         }
     }
-    softmax_rows(1, scores, Hq, len, max_len, scale);
+    cursor vc = cursor_at(table, BS, row, 0), vpf = cursor_at(table, BS, row, 0);
+    group_prefetch_start(&pf, &vpf, v_cache, 0, len);
+    group_prefetch_some(&pf, lines_per_group); /* lands during the softmax */
+    softmax_rows(1, scores, Hq, len, ld, scale);
+    /* (p_2i, p_2i+1) as one bf16 pair per 32-bit word (the high halves of the rounded fp32
+     * probabilities); a lone last token pairs with p = 0 */
+    const __m512i odd_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31,
+                                               29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int64_t hq = 0; hq < Hq; hq++) {
+        float *sg = scores + hq * ld;
+        sg[len] = 0.f;
+        for (int64_t l = 0; l <= len; l += 32)
+            _mm512_storeu_si512(pairs + hq * (ld / 2) + l / 2,
+                                _mm512_permutex2var_epi16(_mm512_castps_si512(_mm512_loadu_ps(sg + l)), odd_words,
+                                                          _mm512_castps_si512(_mm512_loadu_ps(sg + l + 16))));
+    }
     for (int64_t i = 0; i < Hq * D; i++) acc[i] = 0.f;
-    cursor vc = cursor_at(table, BS, row, 0), vpf = cursor_at(table, BS, row, PREFETCH_AHEAD);
-    for (int64_t l = 0; l < len; l += 2) {
-        /* rows of tokens l and l + 1 (a lone last token pairs with itself at p = 0) */
-        const uint16_t *v0 = (const uint16_t *)v_cache + cursor_next(&vc), *v1 = v0;
-        if (l + 1 < len) v1 = (const uint16_t *)v_cache + cursor_next(&vc);
-        prefetch_next(&vpf, v_cache, l + PREFETCH_AHEAD, len);
-        prefetch_next(&vpf, v_cache, l + 1 + PREFETCH_AHEAD, len);
-        for (int64_t h = 0; h < Hk; h++) {
-            __m512i pp[G];
-            for (int64_t g = 0; g < G; g++) {
-                const float *sg = scores + (h * G + g) * max_len + l;
-                uint32_t p0, p1 = 0;
-                memcpy(&p0, sg, 4);
-                if (l + 1 < len) memcpy(&p1, sg + 1, 4);
-                pp[g] = _mm512_set1_epi32((int)((p1 & 0xffff0000u) | (p0 >> 16)));
-            }
-            for (int64_t c = 0; c < D / 32; c++) {
-                const __m512i r0 = _mm512_loadu_si512(v0 + h * D + c * 32);
-                const __m512i r1 = _mm512_loadu_si512(v1 + h * D + c * 32);
-                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
-                const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
-                for (int64_t g = 0; g < G; g++) {
-                    float *a = acc + (h * G + g) * D + c * 32;
-                    _mm512_storeu_ps(a, _mm512_dpbf16_ps(_mm512_loadu_ps(a), (__m512bh)pp[g], lo));
-                    _mm512_storeu_ps(a + 16, _mm512_dpbf16_ps(_mm512_loadu_ps(a + 16), (__m512bh)pp[g], hi));
+    const int64_t slices = Hk * (D / 32 / NC);
+    for (int64_t l0 = 0; l0 < len; l0 += ATT_TG) {
+        const int64_t n = len - l0 < ATT_TG ? len - l0 : ATT_TG, np = (n + 1) / 2;
+        for (int64_t j = 0; j < n; j++) rows[j] = (const uint16_t *)v_cache + cursor_next(&vc);
+        if (n & 1) rows[n] = rows[n - 1]; /* its probability is 0 */
+        group_prefetch_start(&pf, &vpf, v_cache, l0 + ATT_TG, len);
+        for (int64_t h = 0; h < Hk; h++)
+            for (int64_t c0 = 0; c0 < D / 32; c0 += NC) {
+                group_prefetch_some(&pf, (lines_per_group + slices - 1) / slices);
+                __m512 a[G][2 * NC];
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t c = 0; c < 2 * NC; c++) a[g][c] = _mm512_loadu_ps(acc + (h * G + g) * D + c0 * 32 + c * 16);
+                const uint32_t *pp = pairs + h * G * (ld / 2) + l0 / 2;
+                for (int64_t p = 0; p < np; p++) {
+                    __m512bh w[G];
+                    for (int64_t g = 0; g < G; g++) w[g] = (__m512bh)_mm512_set1_epi32((int)pp[g * (ld / 2) + p]);
+                    for (int64_t c = 0; c < NC; c++) {
+                        const int64_t off = h * D + (c0 + c) * 32;
+                        const __m512i r0 = _mm512_loadu_si512(rows[2 * p] + off);
+                        const __m512i r1 = _mm512_loadu_si512(rows[2 * p + 1] + off);
+                        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+                        const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+                        for (int64_t g = 0; g < G; g++) {
+                            a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], w[g], lo);
+                            a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], w[g], hi);
+                        }
+                    }
                 }
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t c = 0; c < 2 * NC; c++) _mm512_storeu_ps(acc + (h * G + g) * D + c0 * 32 + c * 16, a[g][c]);
             }
-        }
     }
     /* undo the unpack lane order: lane 4k + i of a 32-wide group's first half holds
      * d = 8k + i, of its second half d = 8k + 4 + i */
@@ -648,10 +693,110 @@ static inline __attribute__((always_inline)) void gemm_tile(
     }
 }
 
+/* The small-M (decode) schedule. Each thread streams its weight tiles once, in chunks of
+ * GEMM_KC pairs of K (8 KiB): a chunk is applied to every row tile while it sits in L1
+ * (partial sums kept in a small buffer), and the row tiles of a chunk share out the
+ * requests for the next chunk's lines, one line per step, so the weights arrive at an even
+ * pace across the whole call (bursts of prefetches stall on the miss buffers; without
+ * them the decode GEMMs run ~2x slower here). */
+#define GEMM_KC 64
+#define GEMM_SMALL_M 48
+
+/* one row tile over one K chunk, requesting lines pf0, pf0 + pf_step, ... (< pf_lines) of
+ * the chunk after it on the way, two at a time when `pairs` (the row tiles of a chunk
+ * share out its two lines per K pair) */
+static inline __attribute__((always_inline)) void gemm_chunk(
+    const uint16_t *A, int64_t lda, const uint16_t *w, float *part, int64_t m0, const int64_t mt, int64_t kp0,
+    int64_t kp1, int first, const char *pf, int64_t pf0, int64_t pf_step, int64_t pf_lines, int pairs) {
+    __m512 acc[GEMM_MT][2];
+    for (int64_t i = 0; i < mt; i++) {
+        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (m0 + i) * 32);
+        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (m0 + i) * 32 + 16);
+    }
+    int64_t line = pf0;
+    for (int64_t kp = kp0; kp < kp1; kp++, line += pf_step) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kp * 64);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kp * 64 + 32);
+        if (line < pf_lines) __builtin_prefetch(pf + line * 64, 0, 3);
+        if (pairs && line + 1 < pf_lines) __builtin_prefetch(pf + line * 64 + 64, 0, 3);
+        for (int64_t i = 0; i < mt; i++) {
+            uint32_t pair;
+            memcpy(&pair, A + (m0 + i) * lda + 2 * kp, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
+        }
+    }
+    for (int64_t i = 0; i < mt; i++) {
+        _mm512_storeu_ps(part + (m0 + i) * 32, acc[i][0]);
+        _mm512_storeu_ps(part + (m0 + i) * 32 + 16, acc[i][1]);
+    }
+}
+
+static void gemm_small_m(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16_t *bias, void *C,
+                         int64_t ldc, int64_t M, int64_t N, int64_t K, int nt, int out_f32) {
+    const int64_t tiles = N / 32, passes = (M + GEMM_MT - 1) / GEMM_MT;
+    const int64_t per = passes == 1 ? 2 : 1; /* lines each row tile requests per K pair */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float part[GEMM_SMALL_M * 32] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < tiles; nb++) {
+            const uint16_t *w = Wp + nb * K * 32;
+            for (int64_t kp0 = 0; kp0 < K / 2; kp0 += GEMM_KC) {
+                const int64_t kp1 = kp0 + GEMM_KC < K / 2 ? kp0 + GEMM_KC : K / 2;
+                /* the next chunk: of this tile, else the start of the next tile (contiguous) */
+                const char *pf = (const char *)(w + kp1 * 64);
+                int64_t pf_lines = ((const char *)(Wp + N * K) - pf) / 64; /* 0 after the last tile */
+                if (pf_lines > 2 * (kp1 - kp0)) pf_lines = 2 * (kp1 - kp0);
+                for (int64_t m0 = 0, p = 0; m0 < M; m0 += GEMM_MT, p++) {
+                    const int64_t mt = M - m0 < GEMM_MT ? M - m0 : GEMM_MT;
+#define GEMM_CHUNK(MT) gemm_chunk(A, lda, w, part, m0, MT, kp0, kp1, kp0 == 0, pf, per * p, per * passes, \
+                                      pf_lines, per == 2)
+                    switch (mt) {
+                    case 12: GEMM_CHUNK(12); break;
+                    case 11: GEMM_CHUNK(11); break;
+                    case 10: GEMM_CHUNK(10); break;
+                    case 9: GEMM_CHUNK(9); break;
+                    case 8: GEMM_CHUNK(8); break;
+                    case 7: GEMM_CHUNK(7); break;
+                    case 6: GEMM_CHUNK(6); break;
+                    case 5: GEMM_CHUNK(5); break;
+                    case 4: GEMM_CHUNK(4); break;
+                    case 3: GEMM_CHUNK(3); break;
+                    case 2: GEMM_CHUNK(2); break;
+                    default: GEMM_CHUNK(1); break;
+                    }
+#undef GEMM_CHUNK
+                }
+            }
+            __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+            if (bias) b0 = ld16(bias + nb * 32), b1 = ld16(bias + nb * 32 + 16);
+            for (int64_t i = 0; i < M; i++) {
+                __m512 r0 = _mm512_loadu_ps(part + i * 32), r1 = _mm512_loadu_ps(part + i * 32 + 16);
+                if (bias) r0 = _mm512_add_ps(r0, b0), r1 = _mm512_add_ps(r1, b1);
+                if (out_f32) {
+                    float *cf = (float *)C + i * ldc + nb * 32;
+                    _mm512_storeu_ps(cf, rd16(r0));
+                    _mm512_storeu_ps(cf + 16, rd16(r1));
+                } else {
+                    uint16_t *c = (uint16_t *)C + i * ldc + nb * 32;
+                    st16(c, r0);
+                    st16(c + 16, r1);
+                }
+            }
+        }
+    }
+}
+
 /* out_f32: C is float [M, ldc] holding the bf16-rounded results (the LM head's logits) */
 int linear_bf16(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16_t *bias, void *C, int64_t ldc,
                 int64_t M, int64_t N, int64_t K, int nt, int out_f32) {
     if (N % 32 || K % 2) return -1;
+    if (M <= GEMM_SMALL_M) {
+        gemm_small_m(A, lda, Wp, bias, C, ldc, M, N, K, nt, out_f32);
+        return 0;
+    }
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t nb = 0; nb < N / 32; nb++) {
         const uint16_t *w = Wp + nb * K * 32, *w_next = nb + 1 < N / 32 ? w + K * 32 : NULL;
@@ -670,7 +815,7 @@ int linear_bf16(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16
 
 #define BF16_CASE(DIM, GG) \
     if (D == DIM && G == GG) { \
-        attend_bf16(DIM, GG, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hk, BS, scale, max_len, \
+        attend_bf16(DIM, GG, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hk, BS, scale, ld, \
                     b, scratch); \
         continue; \
     }
@@ -687,7 +832,7 @@ int linear_bf16(const uint16_t *A, int64_t lda, const uint16_t *Wp, const uint16
 int has_avx512_bf16(void) { return HAVE_AVX512_BF16; }
 
 #define ATTEND(DT, DIM) attend(DT, DIM, q, k_cache, v_cache, block_tables, bt_stride, seq_lens, out, Hq, Hk, BS, \
-                               scale, max_len, b, scratch)
+                               scale, ld, b, scratch)
 
 /* dtype: 0 = float32, 1 = bfloat16. Pointers are to contiguous tensors:
  * q, out [B, Hq, D]; k_cache, v_cache [NB, BS, Hk, D]; block_tables [B, bt_stride] int32;
@@ -701,11 +846,14 @@ int decode_attention(int dtype, const void *q, const void *k_cache, const void *
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++)
         if (seq_lens[b] > max_len) max_len = seq_lens[b];
+    const int64_t ld = (max_len + 33 + 31) / 32 * 32; /* the scores' row stride (see attend_bf16) */
 
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = (float *)malloc(sizeof(float) * (size_t)(Hq * max_len + 2 * Hq * D + Hk * D));
+        /* scores [Hq, ld] + (attend) query and accumulators + one kv row, or (attend_bf16)
+         * accumulators + probability pairs [Hq, ld / 2] */
+        float *scratch = (float *)malloc(sizeof(float) * (size_t)(Hq * ld + 2 * Hq * D + Hk * D + Hq * ld / 2));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
             if (!scratch) { /* the caller falls back to the reference op */
