@@ -526,23 +526,48 @@ static inline __m512 sum16(__m512 v[16]) {
  * scores (>= max_len + 33, a multiple of 32); scratch as decode_attention allocates it. */
 #define ATT_TG 16
 
-/* The rows of the group after the current one, requested a slice at a time. */
+/* The rows of the group after the current one, requested a few rows at a time. */
 typedef struct {
     const char *rows[ATT_TG];
-    int64_t n, next, lines; /* rows, next line to request, lines per row */
+    int64_t n, r, bytes; /* rows; the next row to request; bytes per row */
 } group_prefetch;
 
 static inline void group_prefetch_start(group_prefetch *g, cursor *c, const void *cache, int64_t l0, int64_t len) {
     g->n = len - l0 < ATT_TG ? (len - l0 > 0 ? len - l0 : 0) : ATT_TG;
     for (int64_t j = 0; j < g->n; j++) g->rows[j] = (const char *)((const uint16_t *)cache + cursor_next(c));
-    g->next = 0;
-    g->lines = c->row * 2 / 64;
+    g->r = 0;
+    g->bytes = c->row * 2;
 }
 
-/* request the next `count` lines (row by row) */
-static inline void group_prefetch_some(group_prefetch *g, int64_t count) {
-    for (int64_t end = g->next + count; g->next < end && g->next < g->n * g->lines; g->next++)
-        __builtin_prefetch(g->rows[g->next / g->lines] + (g->next % g->lines) * 64, 0, 3);
+/* request the rows before row `upto` (of ATT_TG) not requested yet */
+static inline void group_prefetch_upto(group_prefetch *g, int64_t upto) {
+    for (; g->r < upto && g->r < g->n; g->r++)
+        for (int64_t off = 0; off < g->bytes; off += 64) __builtin_prefetch(g->rows[g->r] + off, 0, 3);
+}
+
+/* softmax_rows for bf16 (the same rounding points and exp method), 16 lanes at a time;
+ * rows padded to a multiple of 16 past len (the padding is overwritten) */
+static inline void softmax_rows_bf16v(float *scores, int64_t Hq, int64_t len, int64_t ld, float scale) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t hq = 0; hq < Hq; hq++) {
+        float *sg = scores + hq * ld;
+        __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t l = 0; l < len; l += 16) {
+            const __mmask16 m = len - l >= 16 ? 0xffff : (__mmask16)((1u << (len - l)) - 1);
+            const __m512 v = _mm512_mul_ps(rd16(_mm512_maskz_loadu_ps(m, sg + l)), sc);
+            _mm512_storeu_ps(sg + l, v);
+            mx = _mm512_mask_max_ps(mx, m, mx, v);
+        }
+        const __m512 vmx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        for (int64_t l = 0; l < len; l += 16) {
+            const __mmask16 m = len - l >= 16 ? 0xffff : (__mmask16)((1u << (len - l)) - 1);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + l), vmx));
+            _mm512_storeu_ps(sg + l, e);
+            sum = _mm512_mask_add_ps(sum, m, sum, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        for (int64_t l = 0; l < len; l += 16) _mm512_storeu_ps(sg + l, rd16(_mm512_mul_ps(_mm512_loadu_ps(sg + l), inv)));
+    }
 }
 
 static inline __attribute__((always_inline)) void attend_bf16(
@@ -553,7 +578,6 @@ static inline __attribute__((always_inline)) void attend_bf16(
     /* 32-wide slices of D accumulated together: up to 16 accumulator registers, enough
      * independent vdpbf16ps chains to hide its latency */
     const int64_t NC = G >= 8 ? 1 : (8 / G < D / 32 ? 8 / G : D / 32);
-    const int64_t lines_per_group = ATT_TG * row * 2 / 64;
     const int32_t *table = block_tables + b * bt_stride;
     const uint16_t *qb = (const uint16_t *)q + b * Hq * D;
     uint16_t *ob = (uint16_t *)out + b * Hq * D;
@@ -567,16 +591,16 @@ static inline __attribute__((always_inline)) void attend_bf16(
     group_prefetch pf;
     cursor kc = cursor_at(table, BS, row, 0), kpf = cursor_at(table, BS, row, 0);
     group_prefetch_start(&pf, &kpf, k_cache, 0, len);
-    group_prefetch_some(&pf, lines_per_group); /* the first group: at once */
+    group_prefetch_upto(&pf, ATT_TG); /* the first group: at once */
     for (int64_t l0 = 0; l0 < len; l0 += ATT_TG) {
         const int64_t n = len - l0 < ATT_TG ? len - l0 : ATT_TG;
         for (int64_t j = 0; j < n; j++) rows[j] = (const uint16_t *)k_cache + cursor_next(&kc);
         for (int64_t j = n; j < ATT_TG; j++) rows[j] = rows[0]; /* scores past len: computed, unused */
         group_prefetch_start(&pf, &kpf, k_cache, l0 + ATT_TG, len);
         for (int64_t hq = 0; hq < Hq; hq++) {
-            group_prefetch_some(&pf, (lines_per_group + Hq - 1) / Hq);
+            group_prefetch_upto(&pf, (hq + 1) * ATT_TG / Hq);
             const int64_t off = (hq / G) * D;
-            __m512bh qv[D / 32];
+            __m512bh qv[4]; /* fixed sizes (D <= 128, G <= 8): a variable-length array would live on the stack */
             for (int64_t c = 0; c < D / 32; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qb + hq * D + c * 32);
             __m512 dots[ATT_TG];
             for (int64_t j = 0; j < ATT_TG; j++) {
@@ -589,8 +613,8 @@ static inline __attribute__((always_inline)) void attend_bf16(
     }
     cursor vc = cursor_at(table, BS, row, 0), vpf = cursor_at(table, BS, row, 0);
     group_prefetch_start(&pf, &vpf, v_cache, 0, len);
-    group_prefetch_some(&pf, lines_per_group); /* lands during the softmax */
-    softmax_rows(1, scores, Hq, len, ld, scale);
+    group_prefetch_upto(&pf, ATT_TG); /* lands during the softmax */
+    softmax_rows_bf16v(scores, Hq, len, ld, scale);
     /* (p_2i, p_2i+1) as one bf16 pair per 32-bit word (the high halves of the rounded fp32
      * probabilities); a lone last token pairs with p = 0 */
     const __m512i odd_words = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31,
@@ -604,7 +628,7 @@ static inline __attribute__((always_inline)) void attend_bf16(
                                                           _mm512_castps_si512(_mm512_loadu_ps(sg + l + 16))));
     }
     for (int64_t i = 0; i < Hq * D; i++) acc[i] = 0.f;
-    const int64_t slices = Hk * (D / 32 / NC);
+    const int64_t slices = Hk * (D / 32 / NC), per_slice = D / 32 / NC;
     for (int64_t l0 = 0; l0 < len; l0 += ATT_TG) {
         const int64_t n = len - l0 < ATT_TG ? len - l0 : ATT_TG, np = (n + 1) / 2;
         for (int64_t j = 0; j < n; j++) rows[j] = (const uint16_t *)v_cache + cursor_next(&vc);
@@ -612,13 +636,13 @@ static inline __attribute__((always_inline)) void attend_bf16(
         group_prefetch_start(&pf, &vpf, v_cache, l0 + ATT_TG, len);
         for (int64_t h = 0; h < Hk; h++)
             for (int64_t c0 = 0; c0 < D / 32; c0 += NC) {
-                group_prefetch_some(&pf, (lines_per_group + slices - 1) / slices);
-                __m512 a[G][2 * NC];
+                group_prefetch_upto(&pf, (h * per_slice + c0 / NC + 1) * ATT_TG / slices);
+                __m512 a[8][8];
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t c = 0; c < 2 * NC; c++) a[g][c] = _mm512_loadu_ps(acc + (h * G + g) * D + c0 * 32 + c * 16);
                 const uint32_t *pp = pairs + h * G * (ld / 2) + l0 / 2;
                 for (int64_t p = 0; p < np; p++) {
-                    __m512bh w[G];
+                    __m512bh w[8];
                     for (int64_t g = 0; g < G; g++) w[g] = (__m512bh)_mm512_set1_epi32((int)pp[g * (ld / 2) + p]);
                     for (int64_t c = 0; c < NC; c++) {
                         const int64_t off = h * D + (c0 + c) * 32;
