@@ -115,7 +115,7 @@ def library() -> ctypes.CDLL:
                 "silu_and_mul": [i32, ptr, i64, ptr, i64, i64, i32],
                 "write_kv": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64],
                 "argmax_rows": [ptr, i64, i64, i64, ptr, i32],
-                "linear_bf16": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32],
+                "linear_bf16": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32],
             }.items():
                 getattr(lib, name).restype = i32
                 getattr(lib, name).argtypes = args
@@ -269,39 +269,57 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def can_pack_linear(weight: torch.Tensor) -> bool:
-    """The native bf16 GEMM takes [N, K] bf16 weights with N % 32 == 0 and K even, on a
-    CPU with AVX-512 BF16."""
+def can_pack_linear(weight: torch.Tensor, gate_up: bool = False) -> bool:
+    """The native bf16 GEMM takes [N, K] bf16 weights with N % 32 == 0 (``gate_up``: two
+    halves of a multiple of 32 each) and K even, on a CPU with AVX-512 BF16."""
     n, k = weight.shape
-    return (weight.dtype == torch.bfloat16 and n % 32 == 0 and k % 2 == 0 and available()
+    return (weight.dtype == torch.bfloat16 and n % (64 if gate_up else 32) == 0 and k % 2 == 0 and available()
             and bool(library().has_avx512_bf16()))
 
 
-def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/32, K/2, 32, 2]: each pair of K steps of a 32-column tile contiguous."""
+def pack_linear_weight(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    """[N, K] -> [N/32, K/2, 32, 2]: each pair of K steps of a 32-column tile contiguous.
+
+    ``gate_up``: the weight is [gate; up] (two halves); its tiles are interleaved (gate
+    tile j, up tile j, ...) for ``linear(..., silu_mul=True)``."""
     n, k = weight.shape
-    return weight.detach().reshape(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    w = weight.detach()
+    if gate_up:
+        w = interleave_gate_up(w)
+    return w.reshape(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """Rows (or elements) [gate; up] -> 32-row tiles alternating gate, up (a bias too)."""
+    n = t.shape[0]
+    return t.reshape(2, n // 64, 32, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-           float_out: bool = False) -> torch.Tensor:
+           float_out: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """``F.linear(x, W, bias)`` for bf16 with ``packed = pack_linear_weight(W)``;
-    ``float_out``: ``F.linear(...).float()`` in one pass (the LM head's logits).
+    ``float_out``: ``F.linear(...).float()`` in one pass (the LM head's logits);
+    ``silu_mul``: ``silu_and_mul(F.linear(x, W, bias))`` in one pass, for
+    ``packed = pack_linear_weight(W, gate_up=True)`` (and the bias interleaved likewise).
 
-    fp32 accumulation and one rounding like oneDNN; at batch 32 from cold weights it runs
-    ~25-40% faster than oneDNN's packed GEMM on this path (kernels bench / engine bench).
+    fp32 accumulation and one rounding like oneDNN; the decode schedule (up to 48 rows)
+    streams the weights once (~25-40% faster than oneDNN's packed GEMM at batch 32 from
+    cold weights here: kernels bench / engine bench).
     """
     n, k = packed.shape[0] * 32, packed.shape[1] * 2
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], n), dtype=torch.float32 if float_out else torch.bfloat16)
+    n_out = n // 2 if silu_mul else n
+    out = torch.empty((x2.shape[0], n_out), dtype=torch.float32 if float_out else torch.bfloat16)
     if x2.shape[0]:
         b = None if bias is None else bias.contiguous()
         rc = library().linear_bf16(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                                   None if b is None else b.data_ptr(), out.data_ptr(), n, x2.shape[0], n, k,
-                                   torch.get_num_threads(), int(float_out))
+                                   None if b is None else b.data_ptr(), out.data_ptr(), n_out, x2.shape[0], n, k,
+                                   torch.get_num_threads(), int(float_out), int(silu_mul))
+        if rc == -2:
+            raise MemoryError(f"native linear: no memory for a {x2.shape[0]} x {n} intermediate")
         if rc != 0:
-            raise ValueError(f"native linear cannot run N={n} K={k} here")
-    return out.view(*lead, n)
+            raise ValueError(f"native linear cannot run N={n} K={k} here (silu_mul={silu_mul}, float_out={float_out})")
+    return out.view(*lead, n_out)

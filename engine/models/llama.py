@@ -193,27 +193,6 @@ class Attention(nn.Module):
             ))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.o_proj(out.view(t, self.num_heads * d))
-        out = torch.empty_like(q)
-        if meta.num_prefills:
-            out[:n_pre] = self.ops.prefill_attention(
-                q[:n_pre],
-                k_cache,
-                v_cache,
-                meta.block_tables[: meta.num_prefills],
-                meta.seq_lens[: meta.num_prefills],
-                meta.cu_seqlens_q,
-                self.scale,
-            )
-        if meta.num_decodes:
-            out[n_pre:] = self.ops.decode_attention(
-                q[n_pre:],
-                k_cache,
-                v_cache,
-                meta.block_tables[meta.num_prefills :],
-                meta.seq_lens[meta.num_prefills :],
-                self.scale,
-            )
-        return self.o_proj(out.view(t, self.num_heads * d))
 
 
 class MLP(nn.Module):
@@ -226,7 +205,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, False, pctx, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj.silu_and_mul(x)  # fused where the native GEMM is packed for it
+        if h is None:
+            h = self.ops.silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

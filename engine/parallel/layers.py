@@ -7,6 +7,8 @@ is the one wrapper in ``comm.py``. With world_size 1 they are plain layers.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,7 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 # the native GEMM under its profiler name, like the kernel ops (profiler windows see it)
 _native_linear = named_op("linear", cpu_native.linear)
+_native_linear_silu = named_op("linear_silu_and_mul", partial(cpu_native.linear, silu_mul=True))
 
 
 def _linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False) -> torch.Tensor:
@@ -69,7 +72,13 @@ def prepack_linears(model: nn.Module, native: bool = False) -> int:
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             w = module.weight.detach()
-            if native and cpu_native.can_pack_linear(w):
+            if native and isinstance(module, MergedColumnParallelLinear) and module.can_fuse_silu(w):
+                # gate | up tiles interleaved: the projection and its SiLU·mul in one GEMM
+                # (``silu_and_mul``); its plain forward then takes F.linear (the MLP does not)
+                module.__dict__["native_gate_up"] = cpu_native.pack_linear_weight(w, gate_up=True)
+                if module.bias is not None:
+                    module.__dict__["native_gate_up_bias"] = cpu_native.interleave_gate_up(module.bias.detach())
+            elif native and cpu_native.can_pack_linear(w):
                 module.__dict__["native_weight"] = cpu_native.pack_linear_weight(w)
             else:
                 module.__dict__["packed_weight"] = torch.ops.mkldnn._reorder_linear_weight(w)
@@ -101,6 +110,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, pctx: ParallelContext, dtype: torch.dtype):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias, pctx, dtype)
+
+    def can_fuse_silu(self, w: torch.Tensor) -> bool:
+        """Two equal halves (gate, up) the native GEMM can pack interleaved."""
+        return len(self.out_sizes) == 2 and self.out_sizes[0] == self.out_sizes[1] and cpu_native.can_pack_linear(
+            w, gate_up=True)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(x W_gate^T) * (x W_up^T) in one native GEMM when packed for it, else None
+        (the caller runs the projection and the ``silu_and_mul`` kernel). Same values."""
+        packed = self.__dict__.get("native_gate_up")
+        if packed is None:
+            return None
+        return _native_linear_silu(x, packed, self.__dict__.get("native_gate_up_bias"))
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         tp = self.pctx.world_size

@@ -190,6 +190,22 @@ def test_native_linear_matches_f_linear(rows, k, bias):
 
 
 @needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 12, 32, 48, 49, 100])  # the decode schedule and the large-M one
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_silu_mul_is_the_projection_then_silu_and_mul(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(128, 200, generator=g).to(torch.bfloat16)  # [gate; up], 64 each: 2 tile pairs
+    b = torch.randn(128, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 200, generator=g).to(torch.bfloat16)
+    want = cpu_native.silu_and_mul(cpu_native.linear(x, cpu_native.pack_linear_weight(w), b))
+    packed = cpu_native.pack_linear_weight(w, gate_up=True)
+    got = cpu_native.linear(x, packed, None if b is None else cpu_native.interleave_gate_up(b), silu_mul=True)
+    assert torch.equal(got, want)  # the same roundings, fused
+    close(got, reference.silu_and_mul(torch.nn.functional.linear(x, w, b)), bf16_tol=3e-2)
+    assert not cpu_native.can_pack_linear(torch.zeros(96, 48, dtype=torch.bfloat16), gate_up=True)  # halves % 32
+
+
+@needs_bf16_gemm
 def test_native_linear_pack_conditions():
     assert cpu_native.can_pack_linear(torch.zeros(64, 48, dtype=torch.bfloat16))
     assert not cpu_native.can_pack_linear(torch.zeros(48, 48, dtype=torch.bfloat16))  # N % 32
@@ -204,9 +220,10 @@ def test_model_layers_use_the_native_gemm_with_the_cpu_backend(tiny_model):
 
     llm = LLM(model=str(tiny_model), dtype="bfloat16", kernel_backend="cpu")
     model = llm.engine.executor.model
-    kinds = {("native" if "native_weight" in m.__dict__ else "onednn" if "packed_weight" in m.__dict__ else None)
+    kinds = {("native" if "native_weight" in m.__dict__ else "gate_up" if "native_gate_up" in m.__dict__
+              else "onednn" if "packed_weight" in m.__dict__ else None)
              for m in model.modules() if hasattr(m, "weight") and m.weight.dim() == 2 and m is not model.model.embed_tokens}
-    assert "native" in kinds and None not in kinds
+    assert {"native", "gate_up"} <= kinds and None not in kinds  # every MLP: projection + SiLU·mul in one GEMM
     torch_out = LLM(model=str(tiny_model), dtype="bfloat16", kernel_backend="torch").generate(
         [[5, 6, 7, 8] * 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     out = llm.generate([[5, 6, 7, 8] * 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
