@@ -8,10 +8,12 @@ compiler, the flags and the CPU, then loaded with ctypes. The library links the 
 
 Native here: ``decode_attention`` (paged, straight from the cache through the block
 table: no gather copies, no padding), ``rms_norm``, ``fused_add_rms_norm``, ``rotary``,
-``silu_and_mul`` and ``write_kv`` (one pass each, rounding where torch's bf16 ops
-round), ``argmax`` for the sampler's greedy rows, and a bf16 ``linear`` over weights
-packed once at load (``pack_linear_weight``; the model's linear layers use it when the
-engine runs this backend). ``prefill_attention`` is the reference (SDPA). Inputs a
+``silu_and_mul``, ``write_kv`` and ``rotary_write_kv`` (the two in one pass, k rotated
+straight into its cache slot; what the model calls), each one pass, rounding where
+torch's bf16 ops round; ``argmax`` for the sampler's greedy rows; and a bf16 ``linear``
+over weights packed once at load (``pack_linear_weight``; the model's linear layers use
+it when the engine runs this backend, the MLP's gate_up projection fused with its
+SiLU·mul). ``prefill_attention`` is the reference (SDPA). Inputs a
 native kernel does not cover (other dtypes, non-CPU tensors, unusual strides) fall back
 to the reference, so the backend is always correct, only sometimes not faster.
 """
@@ -114,6 +116,8 @@ def library() -> ctypes.CDLL:
                 "rotary": [i32, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i32],
                 "silu_and_mul": [i32, ptr, i64, ptr, i64, i64, i32],
                 "write_kv": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64],
+                "rotary_write_kv": [i32, ptr, i64, i64, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64,
+                                    i64, i32],
                 "argmax_rows": [ptr, i64, i64, i64, ptr, i32],
                 "linear_bf16": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32],
             }.items():
@@ -255,6 +259,38 @@ def write_kv(
                              k.element_size(), num_slots)
     if bad:
         raise IndexError(f"slot {int(slots[bad - 1])} outside a cache of {num_slots} slots")
+
+
+def rotary_write_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """``rotary`` then ``write_kv`` in one pass (k rotated straight into its cache slot);
+    returns the rotated q. Same values as the two ops."""
+    def ok(x: torch.Tensor) -> bool:
+        return (x.dtype == q.dtype and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
+                and x.stride(1) == x.shape[2])
+
+    t, nq, d = q.shape
+    if not (q.dtype in _DTYPES and ok(q) and ok(k) and ok(v) and k.shape == v.shape and k.shape[0] == t
+            and k_cache.dtype == v_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape[2:] == v_cache.shape[2:] == k.shape[1:] and d % 2 == 0
+            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
+            and cos_sin_cache.shape[1] == d and slot_mapping.shape[0] == t and t > 0):
+        q, k = rotary(q, k, positions, cos_sin_cache)
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+    pos = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    q_out = torch.empty((t, nq, d), dtype=q.dtype)
+    bad = library().rotary_write_kv(
+        _DTYPES[q.dtype], q.data_ptr(), q.stride(0), nq, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        k.shape[1], pos.data_ptr(), cos_sin_cache.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), slots.data_ptr(), t, d, num_slots, _threads(q.numel() + k.numel()))
+    if bad:
+        raise IndexError(f"slot {int(slots[bad - 1])} outside a cache of {num_slots} slots")
+    return q_out
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

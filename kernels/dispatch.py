@@ -98,11 +98,19 @@ class KernelOps:
         self.backend = backend
         # optional: a faster ``logits.argmax(-1)`` for the sampler's greedy rows (cpu backend)
         self.argmax: Callable | None = getattr(module, "argmax", None)
-        for name in KERNEL_NAMES:
+        fused = getattr(module, "rotary_write_kv", None)  # optional: a backend may fuse the two
+        for name in KERNEL_NAMES + (("rotary_write_kv",) if fused else ()):
             fn = getattr(module, name)
             if slowdown > 1.0 or launch_gap_us > 0:
                 fn = _faulty(fn, slowdown, int(launch_gap_us * 1000))
             setattr(self, name, named_op(name, fn))
+
+    def rotary_write_kv(self, q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+        """``rotary`` then ``write_kv`` (k rotated into the cache): returns the rotated q.
+        A backend with a fused kernel replaces this method by it (same results)."""
+        q, k = self.rotary(q, k, positions, cos_sin_cache)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
 
 
 def get_kernel_ops(backend: str, slowdown: float = 1.0, launch_gap_us: float = 0.0) -> KernelOps:

@@ -166,10 +166,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
             k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
-        q, k = self.ops.rotary(q, k, positions, cos_sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         meta = ctx.attn
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = self.ops.rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         n_pre = meta.num_prefill_tokens
         parts = []  # prefill rows come first in the batch, then one row per decode
         if meta.num_prefills:

@@ -135,16 +135,18 @@ static void rms_rows_bf16v(const uint16_t *x, int64_t x_stride, const uint16_t *
 
 /* rope_rows for bf16 with D / 2 % 16 == 0 */
 static void rope_rows_bf16v(const uint16_t *x, int64_t x_stride, const int64_t *positions, const float *cos_sin,
-                            uint16_t *out, int64_t t0, int64_t t1, int64_t NH, int64_t D) {
+                            uint16_t *out, const int64_t *slots, int64_t t0, int64_t t1, int64_t NH, int64_t D) {
     const int64_t half = D / 2;
     const __m512 neg = _mm512_set1_ps(-0.0f);
     for (int64_t t = t0; t < t1; t++) {
+        const int64_t ot = slots ? slots[t] : t; /* the output row (a cache slot; < 0: skipped) */
+        if (ot < 0) continue;
         const float *cs = cos_sin + positions[t] * D;
         for (int64_t i = 0; i < half; i += 16) {
             const __m512 c = rd16(_mm512_loadu_ps(cs + i)), s = rd16(_mm512_loadu_ps(cs + half + i));
             for (int64_t h = 0; h < NH; h++) {
                 const uint16_t *xh = x + t * x_stride + h * D;
-                uint16_t *oh = out + (t * NH + h) * D;
+                uint16_t *oh = out + (ot * NH + h) * D;
                 const __m512 x1 = ld16(xh + i), x2 = ld16(xh + half + i);
                 st16(oh + i, _mm512_add_ps(rd16(_mm512_mul_ps(x1, c)), rd16(_mm512_mul_ps(_mm512_xor_ps(x2, neg), s))));
                 st16(oh + half + i, _mm512_add_ps(rd16(_mm512_mul_ps(x2, c)), rd16(_mm512_mul_ps(x1, s))));
@@ -238,12 +240,14 @@ int rms_norm(int dt, const void *x, int64_t x_stride, const void *res, int64_t r
  * sin cast to the activation dtype, each product and the sum rounded to it. */
 static inline __attribute__((always_inline)) void rope_rows(
     const int dt, const void *x, int64_t x_stride, const int64_t *positions, const float *cos_sin,
-    void *out, int64_t t0, int64_t t1, int64_t NH, int64_t D) {
+    void *out, const int64_t *slots, int64_t t0, int64_t t1, int64_t NH, int64_t D) {
     const int64_t half = D / 2;
     for (int64_t t = t0; t < t1; t++) {
+        const int64_t ot = slots ? slots[t] : t; /* the output row (a cache slot; < 0: skipped) */
+        if (ot < 0) continue;
         const float *cs = cos_sin + positions[t] * D;
         for (int64_t h = 0; h < NH; h++) {
-            const int64_t xi = t * x_stride + h * D, oi = (t * NH + h) * D;
+            const int64_t xi = t * x_stride + h * D, oi = (ot * NH + h) * D;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) {
                 const float c = rd(dt, cs[i]), s = rd(dt, cs[half + i]);
@@ -256,15 +260,16 @@ static inline __attribute__((always_inline)) void rope_rows(
 }
 
 static inline void rope_part(int dt, const void *x, int64_t x_stride, const int64_t *positions,
-                             const float *cos_sin, void *out, int64_t t0, int64_t t1, int64_t NH, int64_t D) {
+                             const float *cos_sin, void *out, const int64_t *slots, int64_t t0, int64_t t1,
+                             int64_t NH, int64_t D) {
 #if VEC_BF16
     if (dt && (D / 2) % 16 == 0) {
-        rope_rows_bf16v(x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
+        rope_rows_bf16v(x, x_stride, positions, cos_sin, out, slots, t0, t1, NH, D);
         return;
     }
 #endif
-    if (dt) rope_rows(1, x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
-    else rope_rows(0, x, x_stride, positions, cos_sin, out, t0, t1, NH, D);
+    if (dt) rope_rows(1, x, x_stride, positions, cos_sin, out, slots, t0, t1, NH, D);
+    else rope_rows(0, x, x_stride, positions, cos_sin, out, slots, t0, t1, NH, D);
 }
 
 /* q [T, NQ, D] and k [T, NK, D] (token strides q_stride, k_stride) in one call */
@@ -274,8 +279,32 @@ int rotary(int dt, const void *q, int64_t q_stride, int64_t NQ, const void *k, i
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         SPLIT_ROWS(T);
-        rope_part(dt, q, q_stride, positions, cos_sin, q_out, t0, t1, NQ, D);
-        rope_part(dt, k, k_stride, positions, cos_sin, k_out, t0, t1, NK, D);
+        rope_part(dt, q, q_stride, positions, cos_sin, q_out, NULL, t0, t1, NQ, D);
+        rope_part(dt, k, k_stride, positions, cos_sin, k_out, NULL, t0, t1, NK, D);
+    }
+    return 0;
+}
+
+/* rotary then write_kv in one pass: q rotated into q_out [T, NQ, D]; k rotated straight
+ * into its cache slot, v copied into its own (k_cache, v_cache: [num_slots, NK, D]; a
+ * negative slot skips the token). Returns 0, -1 for an odd D, or t + 1 for the first slot
+ * past the cache (checked before anything is written). */
+int rotary_write_kv(int dt, const void *q, int64_t q_stride, int64_t NQ, const void *k, int64_t k_stride,
+                    const void *v, int64_t v_stride, int64_t NK, const int64_t *positions, const float *cos_sin,
+                    void *q_out, void *k_cache, void *v_cache, const int64_t *slots, int64_t T, int64_t D,
+                    int64_t num_slots, int nt) {
+    if (D % 2) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return (int)(t + 1);
+    const int64_t elem = dt ? 2 : 4, row = NK * D * elem;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        SPLIT_ROWS(T);
+        rope_part(dt, q, q_stride, positions, cos_sin, q_out, NULL, t0, t1, NQ, D);
+        rope_part(dt, k, k_stride, positions, cos_sin, k_cache, slots, t0, t1, NK, D);
+        for (int64_t t = t0; t < t1; t++)
+            if (slots[t] >= 0)
+                memcpy((char *)v_cache + slots[t] * row, (const char *)v + t * v_stride * elem, (size_t)row);
     }
     return 0;
 }

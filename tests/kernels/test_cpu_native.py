@@ -121,6 +121,39 @@ def test_write_kv_skips_negative_slots_and_rejects_out_of_range(dtype):
         cpu_native.write_kv(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 4, 32]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 9, 300])  # 300 tokens run on both threads
+def test_rotary_write_kv_is_rotary_then_write_kv(dtype, t):
+    g = torch.Generator().manual_seed(t)
+    hq, hk, d = 6, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype)  # strided views of a fused qkv row
+    q, k, v = (qkv[:, a * d: b * d].view(t, b - a, d) for a, b in ((0, hq), (hq, hq + hk), (hq + hk, hq + 2 * hk)))
+    cos_sin = torch.randn(512, d, generator=g)
+    pos = torch.randint(0, 512, (t,), generator=g)
+    slots = torch.randperm(40 * 8, generator=g)[:t]
+    slots[::4] = -1  # skipped tokens (padding)
+    caches = [torch.zeros(40, 8, hk, d, dtype=dtype) for _ in range(4)]
+    got_q = cpu_native.rotary_write_kv(q, k, v, pos, cos_sin, caches[0], caches[1], slots)
+    want_q, want_k = reference.rotary(q, k, pos, cos_sin)
+    reference.write_kv(want_k, v, caches[2], caches[3], slots)
+    assert torch.equal(got_q, want_q) if dtype == torch.bfloat16 else torch.allclose(got_q, want_q, atol=1e-5)
+    close(caches[0], caches[2], bf16_tol=1e-2)
+    assert torch.equal(caches[1], caches[3])  # v copied as is
+    if dtype == torch.bfloat16:
+        assert torch.equal(caches[0], caches[2])  # the rotated k: the same roundings
+    # the composite every other backend uses gives the same
+    ops = get_kernel_ops("torch")
+    torch_caches = [torch.zeros_like(caches[0]) for _ in range(2)]
+    assert torch.equal(ops.rotary_write_kv(q, k, v, pos, cos_sin, *torch_caches, slots), want_q)
+    assert torch.equal(torch_caches[0], caches[2]) and torch.equal(torch_caches[1], caches[3])
+    bad = slots.clone()
+    bad[-1] = 40 * 8
+    before = caches[0].clone()
+    with pytest.raises(IndexError, match=f"slot {40 * 8}"):
+        cpu_native.rotary_write_kv(q, k, v, pos, cos_sin, caches[0], caches[1], bad)
+    assert torch.equal(caches[0], before)  # checked before anything is written
+
+
 def test_backend_is_selectable_and_cpu_only():
     assert resolve_backend("cpu", "cpu") == "cpu"
     with pytest.raises(ValueError, match="CPU only"):
