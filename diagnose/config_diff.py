@@ -31,6 +31,7 @@ CONFIG_KEYS: dict[str, tuple[str, Any]] = {
     "kv_cache_memory_bytes": ("engine.kv", 268435456),
     "preemption_mode": ("engine.kv", "recompute"),
     "kernel_backend": ("kernel.compute", "auto"),
+    "enforce_eager": ("kernel.launch_gap", False),
     "weight_prepack": ("kernel.compute", True),
     "device": ("hardware", "auto"),
     "tp_size": ("parallel.collective", 1),

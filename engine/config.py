@@ -52,6 +52,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = _f(256 * 1024 * 1024, "engine.kv", "Memory budget for the KV cache when num_kv_blocks is 0, in bytes.")
     preemption_mode: str = _f("recompute", "engine.kv", "What preemption does to a victim's KV: recompute (free blocks, prefill again later).")
     kernel_backend: str = _f("auto", "kernel.compute", "Kernel implementation: auto (triton on CUDA; on CPU cpu when a C compiler is present, else torch), torch (reference ops), triton, cpu (native C kernels, CPU only).")
+    enforce_eager: bool = _f(False, "kernel.launch_gap", "Run every step op by op from Python. Off: on the cpu kernel backend (bfloat16, one rank) decode-only steps run the decoder layers in one native call (the same kernels, bit-identical outputs, without the host work between them); timed, profiled and fault-injected steps always run op by op.")
     weight_prepack: bool = _f(True, "kernel.compute", "CPU, bfloat16/float16: pack linear weights once into oneDNN's blocked layout at load (same outputs, faster small-batch GEMMs, a second copy of those weights).")
     device: str = _f("auto", "hardware", "Device: auto (cuda when available), cpu, cuda.")
     tp_size: int = _f(1, "parallel.collective", "Tensor-parallel ranks.")

@@ -22,6 +22,7 @@ from layerscope.engine.host import keep_freed_memory
 from layerscope.engine.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_block
 from layerscope.engine.models.loader import DTYPES, load_model, load_spec
 from layerscope.engine.outputs import RequestOutput
+from layerscope.engine.models.native_decode import NativeDecode
 from layerscope.engine.parallel.context import ParallelContext
 from layerscope.engine.parallel.layers import can_prepack, prepack_linears
 from layerscope.engine.recorder import Recorder, StepRecord
@@ -93,6 +94,8 @@ class LLMEngine:
             model = load_model(config.model, spec, dtype, ParallelContext(), ops, max_model_len, device)
             if config.weight_prepack and can_prepack(dtype, device):
                 prepack_linears(model, native=backend == "cpu")
+                if not config.enforce_eager:
+                    model.native_decode = NativeDecode.build(model, ops)
             kv = allocate_kv_cache(spec, num_blocks, block_size, kv_heads_per_rank, dtype, device)
             self.executor = ModelRunner(model, kv, block_size, device, config.seed, self.faults.layer_delays_s,
                                         ops.argmax)

@@ -120,6 +120,8 @@ def library() -> ctypes.CDLL:
                                     i64, i32],
                 "argmax_rows": [ptr, i64, i64, i64, ptr, i32],
                 "linear_bf16": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32],
+                "decode_layers": [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, ptr, i64, ptr,
+                                  i64, ptr, i64, f32, i32],
             }.items():
                 getattr(lib, name).restype = i32
                 getattr(lib, name).argtypes = args
@@ -359,3 +361,37 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
         if rc != 0:
             raise ValueError(f"native linear cannot run N={n} K={k} here (silu_mul={silu_mul}, float_out={float_out})")
     return out.view(*lead, n_out)
+
+
+class DecoderLayerPtrs(ctypes.Structure):
+    """One layer's weights and caches for ``decode_layers`` (``decoder_layer`` in the C source)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "gate_up_bias", "down", "k_cache", "v_cache")]
+
+
+def decode_layers(layers: ctypes.Array, h: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, num_slots: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder stack of a decode-only step (one token per row of ``h``, bf16) in one
+    native call: the model's kernels in its order, bit-identical to running them op by op.
+    ``h`` (the embeddings, contiguous) is overwritten; returns (h, residual) of the last
+    layer (the model's output is their sum)."""
+    t, hidden = h.shape
+    residual = torch.empty_like(h)
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    rc = library().decode_layers(
+        layers, len(layers), h.data_ptr(), residual.data_ptr(), t, hidden, num_heads, num_kv_heads, head_dim,
+        intermediate, eps, pos.data_ptr(), cos_sin_cache.data_ptr(), slots.data_ptr(), num_slots, tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), block_size, scale, torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("decode_layers: no memory for its activations")
+    if rc == -3:
+        raise IndexError(f"a slot outside a cache of {num_slots} slots")
+    if rc != 0:
+        raise ValueError("decode_layers: a shape the native kernels do not take")
+    return h, residual

@@ -96,6 +96,7 @@ class KernelOps:
 
     def __init__(self, backend: str, module: ModuleType, slowdown: float = 1.0, launch_gap_us: float = 0.0):
         self.backend = backend
+        self.faulty = slowdown > 1.0 or launch_gap_us > 0  # injected kernel faults: every op runs eagerly
         # optional: a faster ``logits.argmax(-1)`` for the sampler's greedy rows (cpu backend)
         self.argmax: Callable | None = getattr(module, "argmax", None)
         fused = getattr(module, "rotary_write_kv", None)  # optional: a backend may fuse the two

@@ -233,10 +233,15 @@ class CausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("cos_sin", rope_cache(spec.head_dim, max_pos, spec.rope_theta), persistent=False)
+        self.native_decode = None  # set at load where the whole decoder stack runs natively
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H] (before the norm)."""
         h = run_timed(ctx, "embed", self.model.embed_tokens, input_ids)
+        if self.native_decode is not None:  # decode-only steps in one native call (native_decode.py)
+            out = self.native_decode(h, positions, ctx)
+            if out is not None:
+                return out
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = run_timed(ctx, f"layers.{i}.attn", self._attn_block, layer, positions, h, residual, ctx)
