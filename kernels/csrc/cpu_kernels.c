@@ -711,6 +711,19 @@ static inline __attribute__((always_inline)) void attend_bf16(
  * first row tile) and re-read from L1/L2 by the other row tiles. Accumulation in fp32,
  * (+ bias), one rounding to bf16: oneDNN's contract; sums associate differently. */
 #define GEMM_MT 12
+
+/* one pair of K steps: each of the tile's mt rows times the 32 columns' weights */
+static inline __attribute__((always_inline)) void gemm_kpair(const uint16_t *A, int64_t lda, int64_t m0,
+                                                             const int64_t mt, int64_t kp, __m512bh w0, __m512bh w1,
+                                                             __m512 acc[GEMM_MT][2]) {
+    for (int64_t i = 0; i < mt; i++) {
+        uint32_t pair;
+        memcpy(&pair, A + (m0 + i) * lda + 2 * kp, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
+    }
+}
 static inline __attribute__((always_inline)) void gemm_tile(
     const uint16_t *A, int64_t lda, const uint16_t *w, const uint16_t *bias, uint16_t *C, int64_t ldc, int64_t m0,
     const int64_t mt, int64_t K, const uint16_t *w_next, float *Cf) {
@@ -723,13 +736,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
             __builtin_prefetch(w_next + kp * 64, 0, 2);
             __builtin_prefetch(w_next + kp * 64 + 32, 0, 2);
         }
-        for (int64_t i = 0; i < mt; i++) {
-            uint32_t pair;
-            memcpy(&pair, A + (m0 + i) * lda + 2 * kp, 4);
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);
-            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
-        }
+        gemm_kpair(A, lda, m0, mt, kp, w0, w1, acc);
     }
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
     if (bias) b0 = ld16(bias), b1 = ld16(bias + 16);
@@ -772,13 +779,7 @@ static inline __attribute__((always_inline)) void gemm_chunk(
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kp * 64 + 32);
         if (line < pf_lines) __builtin_prefetch(pf + line * 64, 0, 3);
         if (pairs && line + 1 < pf_lines) __builtin_prefetch(pf + line * 64 + 64, 0, 3);
-        for (int64_t i = 0; i < mt; i++) {
-            uint32_t pair;
-            memcpy(&pair, A + (m0 + i) * lda + 2 * kp, 4);
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, w0);
-            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
-        }
+        gemm_kpair(A, lda, m0, mt, kp, w0, w1, acc);
     }
     for (int64_t i = 0; i < mt; i++) {
         _mm512_storeu_ps(part + (m0 + i) * 32, acc[i][0]);
