@@ -1001,15 +1001,16 @@ int decode_layers(const decoder_layer *layers, int64_t L, uint16_t *h, uint16_t 
     uint16_t *q = malloc(sizeof(uint16_t) * (size_t)(T * Hq * D)), *attn = malloc(sizeof(uint16_t) * (size_t)(T * Hq * D));
     uint16_t *m = malloc(sizeof(uint16_t) * (size_t)(T * I)), *res2 = malloc(sizeof(uint16_t) * (size_t)(T * H));
     int rc = (x && qkv && q && attn && m && res2) ? 0 : -2;
+    uint16_t *res = residual, *res_next = res2, *swap; /* the add + norms alternate between two buffers */
     for (int64_t i = 0; i < L && rc == 0; i++) {
         const decoder_layer *ly = layers + i;
         /* attention block: (add +) norm, qkv, rotary + KV write, attention, o */
         if (i == 0) {
-            memcpy(residual, h, sizeof(uint16_t) * (size_t)(T * H));
+            memcpy(res, h, sizeof(uint16_t) * (size_t)(T * H));
             rc = rms_norm(1, h, H, NULL, 0, ly->input_norm, x, NULL, T, H, eps, nt_h);
         } else {
-            rc = rms_norm(1, h, H, residual, H, ly->input_norm, x, res2, T, H, eps, nt_h);
-            memcpy(residual, res2, sizeof(uint16_t) * (size_t)(T * H));
+            rc = rms_norm(1, h, H, res, H, ly->input_norm, x, res_next, T, H, eps, nt_h);
+            swap = res, res = res_next, res_next = swap;
         }
         if (rc == 0) rc = linear_bf16(x, H, ly->qkv, ly->qkv_bias, qkv, W, T, W, H, nt, 0, 0);
         if (rc == 0)
@@ -1020,13 +1021,14 @@ int decode_layers(const decoder_layer *layers, int64_t L, uint16_t *h, uint16_t 
                                   D, BS, scale, nt, 0);
         if (rc == 0) rc = linear_bf16(attn, Hq * D, ly->o, NULL, h, H, T, H, Hq * D, nt, 0, 0);
         /* MLP block: add + norm, gate_up with SiLU·mul, down */
-        if (rc == 0) rc = rms_norm(1, h, H, residual, H, ly->post_norm, x, res2, T, H, eps, nt_h);
         if (rc == 0) {
-            memcpy(residual, res2, sizeof(uint16_t) * (size_t)(T * H));
-            rc = linear_bf16(x, H, ly->gate_up, ly->gate_up_bias, m, I, T, 2 * I, H, nt, 0, 1);
+            rc = rms_norm(1, h, H, res, H, ly->post_norm, x, res_next, T, H, eps, nt_h);
+            swap = res, res = res_next, res_next = swap;
         }
+        if (rc == 0) rc = linear_bf16(x, H, ly->gate_up, ly->gate_up_bias, m, I, T, 2 * I, H, nt, 0, 1);
         if (rc == 0) rc = linear_bf16(m, I, ly->down, NULL, h, H, T, H, I, nt, 0, 0);
     }
+    if (rc == 0 && res != residual) memcpy(residual, res, sizeof(uint16_t) * (size_t)(T * H));
     free(x), free(qkv), free(q), free(attn), free(m), free(res2);
     return rc;
 #else
