@@ -37,21 +37,34 @@ def bf16_model(request, tmp_path_factory):
 
 def _prompts(n: int = 12, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(1, 500) for _ in range(rng.randint(2, 90))] for _ in range(n)]
+    shared = [rng.randrange(1, 500) for _ in range(40)]  # prefix-cache hits for half of them
+    return [([] if i % 2 else shared) + [rng.randrange(1, 500) for _ in range(rng.randint(2, 60))] for i in range(n)]
 
 
 def _generate(model, **kw):
     llm = LLM(model=str(model), dtype="bfloat16", kernel_backend="cpu", block_size=16, **kw)
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    return [o.token_ids for o in outs], llm.engine.executor.model.native_decode
+    sched = llm.engine.scheduler
+    return [o.token_ids for o in outs], llm.engine.executor.model.native_decode, sched.num_preemptions
 
 
-def test_native_decode_steps_give_the_eager_tokens(bf16_model):
-    native, nd = _generate(bf16_model)
-    eager, none = _generate(bf16_model, enforce_eager=True)
+SCENARIOS = {
+    "defaults": {},
+    "chunked_prefill_budget_32": {"max_num_batched_tokens": 32, "enable_chunked_prefill": True},
+    "preemption": {"num_kv_blocks": 12},
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_native_decode_steps_give_the_eager_tokens(bf16_model, scenario):
+    kw = SCENARIOS[scenario]
+    native, nd, preempted = _generate(bf16_model, **kw)
+    eager, none, _ = _generate(bf16_model, enforce_eager=True, **kw)
     assert nd is not None and none is None
-    assert nd.steps > 10  # most of the 20 decode steps of the batch ran natively
+    assert nd.steps > 5  # decode-only steps ran natively
     assert native == eager
+    if scenario == "preemption":
+        assert preempted > 0
 
 
 class _TimeEveryStep(Recorder):
