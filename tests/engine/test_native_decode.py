@@ -41,15 +41,16 @@ def _prompts(n: int = 12, seed: int = 0) -> list[list[int]]:
     return [([] if i % 2 else shared) + [rng.randrange(1, 500) for _ in range(rng.randint(2, 60))] for i in range(n)]
 
 
-def _generate(model, **kw):
+def _generate(model, n: int = 12, **kw):
     llm = LLM(model=str(model), dtype="bfloat16", kernel_backend="cpu", block_size=16, **kw)
-    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    outs = llm.generate(_prompts(n), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     sched = llm.engine.scheduler
     return [o.token_ids for o in outs], llm.engine.executor.model.native_decode, sched.num_preemptions
 
 
 SCENARIOS = {
     "defaults": {},
+    "batch_56": {"n": 56, "max_num_seqs": 64},  # past the GEMM's decode schedule (48 rows)
     "chunked_prefill_budget_32": {"max_num_batched_tokens": 32, "enable_chunked_prefill": True},
     "preemption": {"num_kv_blocks": 12},
 }
