@@ -21,8 +21,8 @@ from layerscope.engine.faults import Faults
 from layerscope.engine.host import keep_freed_memory
 from layerscope.engine.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_block
 from layerscope.engine.models.loader import DTYPES, load_model, load_spec
-from layerscope.engine.outputs import RequestOutput
 from layerscope.engine.models.native_decode import NativeDecode
+from layerscope.engine.outputs import RequestOutput
 from layerscope.engine.parallel.context import ParallelContext
 from layerscope.engine.parallel.layers import can_prepack, prepack_linears
 from layerscope.engine.recorder import Recorder, StepRecord

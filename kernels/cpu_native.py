@@ -37,7 +37,6 @@ from layerscope.kernels.reference import prefill_attention  # noqa: F401 - the b
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # no FMA contraction: elementwise results then match torch's separately rounded ops
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
-PARALLEL_MIN_ELEMENTS = 1 << 16  # below this an elementwise kernel runs on one thread
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -178,13 +177,21 @@ def decode_attention(
     return out
 
 
-def _threads(numel: int) -> int:
-    return torch.get_num_threads() if numel >= PARALLEL_MIN_ELEMENTS else 1
-
-
 def _rows_ok(x: torch.Tensor) -> bool:
     """A CPU fp32/bf16 matrix whose rows are contiguous (any row stride)."""
     return x.dtype in _DTYPES and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
+
+def _heads_ok(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A CPU [T, heads, D] tensor of ``dtype`` whose heads are contiguous (any token stride:
+    q, k, v may be views of a fused qkv row)."""
+    return (x.dtype == dtype and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == x.shape[2])
+
+
+def _slot_error(slots: torch.Tensor, bad: int, num_slots: int) -> IndexError:
+    """The kernels return t + 1 for the first token whose slot lies past the cache."""
+    return IndexError(f"slot {int(slots[bad - 1])} outside a cache of {num_slots} slots")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -193,7 +200,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return reference.rms_norm(x, weight, eps)
     out = torch.empty(x.shape, dtype=x.dtype)
     library().rms_norm(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(),
-                       None, x.shape[0], x.shape[1], eps, _threads(x.numel()))
+                       None, x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 
 
@@ -208,7 +215,7 @@ def fused_add_rms_norm(
     new_residual = torch.empty(x.shape, dtype=x.dtype)
     library().rms_norm(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
                        weight.data_ptr(), out.data_ptr(), new_residual.data_ptr(), x.shape[0], x.shape[1], eps,
-                       _threads(x.numel()))
+                       torch.get_num_threads())
     return out, new_residual
 
 
@@ -216,12 +223,9 @@ def rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``reference.rotary``; q, k may be strided views of a fused qkv row."""
-    def ok(x: torch.Tensor) -> bool:
-        return (x.dtype in _DTYPES and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
-                and x.stride(1) == x.shape[2] and x.shape[2] % 2 == 0)
-
-    if (not (ok(q) and ok(k) and k.dtype == q.dtype and cos_sin_cache.dtype == torch.float32
-             and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[1] == q.shape[2]) or q.shape[0] == 0):
+    if (not (q.dtype in _DTYPES and _heads_ok(q, q.dtype) and _heads_ok(k, q.dtype) and q.shape[2] % 2 == 0
+             and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
+             and cos_sin_cache.shape[1] == q.shape[2]) or q.shape[0] == 0):
         return reference.rotary(q, k, positions, cos_sin_cache)
     pos = positions.to(torch.int64).contiguous()
     t, nq, d = q.shape
@@ -229,7 +233,7 @@ def rotary(
     k_out = torch.empty((t, k.shape[1], d), dtype=k.dtype)
     library().rotary(_DTYPES[q.dtype], q.data_ptr(), q.stride(0), nq, k.data_ptr(), k.stride(0), k.shape[1],
                      pos.data_ptr(), cos_sin_cache.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), t, d,
-                     _threads(q.numel() + k.numel()))
+                     torch.get_num_threads())
     return q_out, k_out
 
 
@@ -239,7 +243,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
     t, i = x.shape[0], x.shape[1] // 2
     out = torch.empty((t, i), dtype=x.dtype)
-    library().silu_and_mul(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), t, i, _threads(x.numel()))
+    library().silu_and_mul(_DTYPES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), t, i, torch.get_num_threads())
     return out
 
 
@@ -247,11 +251,8 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Same contract as ``reference.write_kv`` (in place; negative slots skipped)."""
-    def ok(x: torch.Tensor) -> bool:
-        return (x.dtype == k_cache.dtype and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
-                and x.stride(1) == x.shape[2] and x.shape[1:] == k_cache.shape[2:])
-
-    if not (ok(k) and ok(v) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if not (_heads_ok(k, k_cache.dtype) and _heads_ok(v, k_cache.dtype) and k.shape[1:] == v.shape[1:]
+            == k_cache.shape[2:] and k_cache.is_contiguous() and v_cache.is_contiguous()
             and v_cache.dtype == k_cache.dtype and k.shape[0] == slot_mapping.shape[0]):
         return reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
     slots = slot_mapping.to(torch.int64).contiguous()
@@ -260,7 +261,7 @@ def write_kv(
                              v_cache.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2],
                              k.element_size(), num_slots)
     if bad:
-        raise IndexError(f"slot {int(slots[bad - 1])} outside a cache of {num_slots} slots")
+        raise _slot_error(slots, bad, num_slots)
 
 
 def rotary_write_kv(
@@ -269,12 +270,9 @@ def rotary_write_kv(
 ) -> torch.Tensor:
     """``rotary`` then ``write_kv`` in one pass (k rotated straight into its cache slot);
     returns the rotated q. Same values as the two ops."""
-    def ok(x: torch.Tensor) -> bool:
-        return (x.dtype == q.dtype and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
-                and x.stride(1) == x.shape[2])
-
     t, nq, d = q.shape
-    if not (q.dtype in _DTYPES and ok(q) and ok(k) and ok(v) and k.shape == v.shape and k.shape[0] == t
+    if not (q.dtype in _DTYPES and _heads_ok(q, q.dtype) and _heads_ok(k, q.dtype) and _heads_ok(v, q.dtype)
+            and k.shape == v.shape and k.shape[0] == t
             and k_cache.dtype == v_cache.dtype == q.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape[2:] == v_cache.shape[2:] == k.shape[1:] and d % 2 == 0
             and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
@@ -289,9 +287,9 @@ def rotary_write_kv(
     bad = library().rotary_write_kv(
         _DTYPES[q.dtype], q.data_ptr(), q.stride(0), nq, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         k.shape[1], pos.data_ptr(), cos_sin_cache.data_ptr(), q_out.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), slots.data_ptr(), t, d, num_slots, _threads(q.numel() + k.numel()))
+        v_cache.data_ptr(), slots.data_ptr(), t, d, num_slots, torch.get_num_threads())
     if bad:
-        raise IndexError(f"slot {int(slots[bad - 1])} outside a cache of {num_slots} slots")
+        raise _slot_error(slots, bad, num_slots)
     return q_out
 
 
@@ -303,7 +301,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     library().argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], out.data_ptr(),
-                          _threads(logits.numel()))
+                          torch.get_num_threads())
     return out
 
 
@@ -371,9 +369,9 @@ class DecoderLayerPtrs(ctypes.Structure):
 
 
 def decode_layers(layers: ctypes.Array, h: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor, num_slots: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
+                  num_slots: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder stack of a decode-only step (one token per row of ``h``, bf16) in one
     native call: the model's kernels in its order, bit-identical to running them op by op.
     ``h`` (the embeddings, contiguous) is overwritten; returns (h, residual) of the last

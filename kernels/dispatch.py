@@ -49,9 +49,9 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 
 try:  # a cheap flag read (~70 ns) instead of entering record_function (~6 us) on every op
-    from torch._C._autograd import _profiler_enabled
+    from torch._C._autograd import _profiler_enabled as profiler_enabled
 except ImportError:  # pragma: no cover - older/newer torch without the private hook
-    def _profiler_enabled() -> bool:
+    def profiler_enabled() -> bool:
         return True
 
 
@@ -60,7 +60,7 @@ def named_op(name: str, fn: Callable) -> Callable:
     label = f"layerscope::{name}"
 
     def call(*args, **kwargs):
-        if not _profiler_enabled():
+        if not profiler_enabled():
             return fn(*args, **kwargs)
         with torch.profiler.record_function(label):
             return fn(*args, **kwargs)

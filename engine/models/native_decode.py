@@ -13,20 +13,25 @@ from __future__ import annotations
 import torch
 
 from layerscope.kernels import cpu_native
-from layerscope.kernels.dispatch import _profiler_enabled
+from layerscope.kernels.dispatch import profiler_enabled
 
 
 class NativeDecode:
     """The model's decoder layers as ``cpu_native.DecoderLayerPtrs`` (built once, at load)."""
 
     def __init__(self, model, layers: list[dict[str, torch.Tensor | None]]):
-        self.model = model
+        self.cos_sin = model.cos_sin
         self.keep = layers  # the tensors behind the pointers
         self.ptrs = (cpu_native.DecoderLayerPtrs * len(layers))()
         for ptr, tensors in zip(self.ptrs, layers):
             for name, t in tensors.items():
                 setattr(ptr, name, None if t is None else t.data_ptr())
-        self._caches: list | None = None
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        # the model's sizes, as decode_layers takes them after the step's inputs
+        self.dims = (attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_per_rank,
+                     model.spec.rms_norm_eps, attn.scale)
+        self._caches: list | None = None  # the runner's KV caches, bound at the first step
+        self._cache_dims: tuple[int, int] = (0, 0)  # their (slots, block size)
         self.steps = 0  # steps run natively (tests, benchmarks)
 
     @classmethod
@@ -66,20 +71,22 @@ class NativeDecode:
         when this step runs op by op."""
         meta = ctx.attn
         if (meta.num_prefills or not meta.num_decodes or ctx.layer_times is not None or ctx.layer_delays_s
-                or _profiler_enabled() or h.dtype != torch.bfloat16):
+                or profiler_enabled() or h.dtype != torch.bfloat16):
             return None
-        if self._caches is not ctx.kv_caches:  # the runner's caches: fixed for its life
-            for ptr, (k, v) in zip(self.ptrs, ctx.kv_caches):
-                if not (k.is_contiguous() and v.is_contiguous()):
-                    return None
-                ptr.k_cache, ptr.v_cache = k.data_ptr(), v.data_ptr()
-            self._caches = ctx.kv_caches
-        attn = self.model.model.layers[0].self_attn
-        k_cache = ctx.kv_caches[0][0]
+        if self._caches is not ctx.kv_caches and not self._bind(ctx.kv_caches):
+            return None
         h, residual = cpu_native.decode_layers(
-            self.ptrs, h.contiguous(), positions, self.model.cos_sin, meta.slot_mapping,
-            k_cache.shape[0] * k_cache.shape[1], meta.block_tables, meta.seq_lens, k_cache.shape[1], attn.num_heads,
-            attn.num_kv_heads, attn.head_dim, self.model.model.layers[0].mlp.down_proj.in_per_rank,
-            self.model.spec.rms_norm_eps, attn.scale)
+            self.ptrs, h.contiguous(), positions, self.cos_sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            *self.dims, *self._cache_dims)
         self.steps += 1
         return h + residual
+
+    def _bind(self, kv_caches: list) -> bool:
+        """Point the layers at the runner's KV caches (fixed for its life)."""
+        if not all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches):
+            return False
+        for ptr, (k, v) in zip(self.ptrs, kv_caches):
+            ptr.k_cache, ptr.v_cache = k.data_ptr(), v.data_ptr()
+        k0 = kv_caches[0][0]
+        self._caches, self._cache_dims = kv_caches, (k0.shape[0] * k0.shape[1], k0.shape[1])
+        return True

@@ -182,6 +182,11 @@ static inline float rd(const int dt, float v) { return dt ? round_bf16(v) : v; }
 
 /* This thread's share [t0, t1) of T rows. The dtype branch sits inside the parallel
  * region, around always-inlined row loops, so each loop sees a constant dtype. */
+/* Elementwise kernels below this many elements run on one thread: a fork/join would cost
+ * more than it saves (nt is the caller's thread count; the results do not depend on it). */
+#define PARALLEL_MIN_ELEMENTS 65536
+static inline int elem_threads(int nt, int64_t numel) { return numel >= PARALLEL_MIN_ELEMENTS ? nt : 1; }
+
 #define SPLIT_ROWS(T)                                                              \
     const int64_t nthr_ = omp_get_num_threads(), tid_ = omp_get_thread_num();     \
     const int64_t t0 = (T) * tid_ / nthr_, t1 = (T) * (tid_ + 1) / nthr_
@@ -220,6 +225,7 @@ static inline __attribute__((always_inline)) void rms_rows(
 
 int rms_norm(int dt, const void *x, int64_t x_stride, const void *res, int64_t res_stride, const void *w,
              void *out, void *res_out, int64_t T, int64_t H, float eps, int nt) {
+    nt = elem_threads(nt, T * H);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         SPLIT_ROWS(T);
@@ -276,6 +282,7 @@ static inline void rope_part(int dt, const void *x, int64_t x_stride, const int6
 int rotary(int dt, const void *q, int64_t q_stride, int64_t NQ, const void *k, int64_t k_stride, int64_t NK,
            const int64_t *positions, const float *cos_sin, void *q_out, void *k_out, int64_t T, int64_t D, int nt) {
     if (D % 2) return -1;
+    nt = elem_threads(nt, T * (NQ + NK) * D);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         SPLIT_ROWS(T);
@@ -297,6 +304,7 @@ int rotary_write_kv(int dt, const void *q, int64_t q_stride, int64_t NQ, const v
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= num_slots) return (int)(t + 1);
     const int64_t elem = dt ? 2 : 4, row = NK * D * elem;
+    nt = elem_threads(nt, T * (NQ + NK) * D);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         SPLIT_ROWS(T);
@@ -322,6 +330,7 @@ static inline __attribute__((always_inline)) void silu_rows(const int dt, const 
 }
 
 int silu_and_mul(int dt, const void *x, int64_t x_stride, void *out, int64_t T, int64_t I, int nt) {
+    nt = elem_threads(nt, T * 2 * I);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         SPLIT_ROWS(T);
@@ -401,6 +410,7 @@ static int64_t argmax_row(const float *xr, int64_t V) {
 }
 
 int argmax_rows(const float *x, int64_t ld, int64_t N, int64_t V, int64_t *out, int nt) {
+    nt = elem_threads(nt, N * V);
 #pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t r = 0; r < N; r++) out[r] = argmax_row(x + r * ld, V);
     return 0;
@@ -996,7 +1006,6 @@ int decode_layers(const decoder_layer *layers, int64_t L, uint16_t *h, uint16_t 
                   int64_t bt_stride, const int32_t *seq_lens, int64_t BS, float scale, int nt) {
 #if HAVE_AVX512_BF16
     const int64_t W = (Hq + 2 * Hk) * D; /* the fused qkv row */
-    const int nt_h = T * H >= 65536 ? nt : 1, nt_qk = T * (Hq + Hk) * D >= 65536 ? nt : 1; /* cpu_native._threads */
     uint16_t *x = malloc(sizeof(uint16_t) * (size_t)(T * H)), *qkv = malloc(sizeof(uint16_t) * (size_t)(T * W));
     uint16_t *q = malloc(sizeof(uint16_t) * (size_t)(T * Hq * D)), *attn = malloc(sizeof(uint16_t) * (size_t)(T * Hq * D));
     uint16_t *m = malloc(sizeof(uint16_t) * (size_t)(T * I)), *res2 = malloc(sizeof(uint16_t) * (size_t)(T * H));
@@ -1007,22 +1016,22 @@ int decode_layers(const decoder_layer *layers, int64_t L, uint16_t *h, uint16_t 
         /* attention block: (add +) norm, qkv, rotary + KV write, attention, o */
         if (i == 0) {
             memcpy(res, h, sizeof(uint16_t) * (size_t)(T * H));
-            rc = rms_norm(1, h, H, NULL, 0, ly->input_norm, x, NULL, T, H, eps, nt_h);
+            rc = rms_norm(1, h, H, NULL, 0, ly->input_norm, x, NULL, T, H, eps, nt);
         } else {
-            rc = rms_norm(1, h, H, res, H, ly->input_norm, x, res_next, T, H, eps, nt_h);
+            rc = rms_norm(1, h, H, res, H, ly->input_norm, x, res_next, T, H, eps, nt);
             swap = res, res = res_next, res_next = swap;
         }
         if (rc == 0) rc = linear_bf16(x, H, ly->qkv, ly->qkv_bias, qkv, W, T, W, H, nt, 0, 0);
         if (rc == 0)
             rc = rotary_write_kv(1, qkv, W, Hq, qkv + Hq * D, W, qkv + (Hq + Hk) * D, W, Hk, positions, cos_sin, q,
-                                 ly->k_cache, ly->v_cache, slots, T, D, num_slots, nt_qk) ? -3 : 0;
+                                 ly->k_cache, ly->v_cache, slots, T, D, num_slots, nt) ? -3 : 0;
         if (rc == 0)
             rc = decode_attention(1, q, ly->k_cache, ly->v_cache, block_tables, bt_stride, seq_lens, attn, T, Hq, Hk,
                                   D, BS, scale, nt, 0);
         if (rc == 0) rc = linear_bf16(attn, Hq * D, ly->o, NULL, h, H, T, H, Hq * D, nt, 0, 0);
         /* MLP block: add + norm, gate_up with SiLU·mul, down */
         if (rc == 0) {
-            rc = rms_norm(1, h, H, res, H, ly->post_norm, x, res_next, T, H, eps, nt_h);
+            rc = rms_norm(1, h, H, res, H, ly->post_norm, x, res_next, T, H, eps, nt);
             swap = res, res = res_next, res_next = swap;
         }
         if (rc == 0) rc = linear_bf16(x, H, ly->gate_up, ly->gate_up_bias, m, I, T, 2 * I, H, nt, 0, 1);
