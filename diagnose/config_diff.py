@@ -2,9 +2,9 @@
 
 Every key of the resolved engine + gateway config that differs is listed with both
 values, whether each side set it or took the version's default, and the layer it
-acts on. The key -> layer table below mirrors ``layerscope.engine.config.config_keys()``
-(a test checks they are equal): diagnose must not import the engine. A bundle whose
-manifest carries a ``config_layers`` map (key -> layer, as the engine that ran
+acts on. Keys, layers and defaults come from ``layerscope.contract.CONFIG_KEYS``, the
+table the engine's config is built from (diagnose must not import the engine). A bundle
+whose manifest carries a ``config_layers`` map (key -> layer, as the engine that ran
 registered it) is read from that map first.
 """
 
@@ -17,36 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
-# key -> (layer it acts on, default); mirrors engine.config (checked by tests/diagnose)
-CONFIG_KEYS: dict[str, tuple[str, Any]] = {
-    "model": ("model.forward", ""),
-    "dtype": ("kernel.compute", "auto"),
-    "max_model_len": ("engine.queue", 0),
-    "max_num_seqs": ("engine.queue", 64),
-    "max_num_batched_tokens": ("engine.queue", 2048),
-    "enable_chunked_prefill": ("engine.schedule", True),
-    "enable_prefix_caching": ("engine.kv", True),
-    "block_size": ("engine.kv", 16),
-    "num_kv_blocks": ("engine.kv", 0),
-    "kv_cache_memory_bytes": ("engine.kv", 268435456),
-    "preemption_mode": ("engine.kv", "recompute"),
-    "kernel_backend": ("kernel.compute", "auto"),
-    "enforce_eager": ("kernel.launch_gap", False),
-    "weight_prepack": ("kernel.compute", True),
-    "device": ("hardware", "auto"),
-    "tp_size": ("parallel.collective", 1),
-    "tp_timeout_s": ("parallel.collective", 60.0),
-    "seed": ("model.forward", 0),
-    "num_threads": ("kernel.compute", 0),
-    "layer_timing_interval": ("model.forward", 16),
-    "router_policy": ("gateway.route", "round_robin"),
-    "gateway.max_concurrency": ("gateway.queue", 64),
-    "gateway.max_queue": ("gateway.queue", 256),
-    "gateway.retry_after_s": ("gateway.queue", 1),
-    "gateway.request_timeout_s": ("gateway.queue", 600.0),
-}
-CONFIG_LAYERS: dict[str, str] = {k: v[0] for k, v in CONFIG_KEYS.items()}
-CONFIG_DEFAULTS: dict[str, Any] = {k: v[1] for k, v in CONFIG_KEYS.items()}
+from layerscope.contract import CONFIG_DEFAULTS, CONFIG_KEYS, CONFIG_LAYERS
 
 # values the engine derives at start-up (manifest "resolved")
 RESOLVED_LAYERS: dict[str, str] = {

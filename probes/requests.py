@@ -40,13 +40,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+from layerscope.contract import FINISH_REASON, STATUS_ABORTED, interval_s, tpot_s
 from layerscope.probes.schema import REQUESTS, TTFT_COMPONENTS
 
 if TYPE_CHECKING:  # no runtime import of the engine: bundle readers use this module
     from layerscope.engine.recorder import StepRecord
     from layerscope.engine.request import RequestEvent
 
-FINISH_REASONS = {"finished_stopped": "stop", "finished_length": "length", "finished_aborted": "abort"}
 COLUMNS = tuple(REQUESTS.names)
 # columns the gateway, router or client own; settable through the recorder / merge
 OUTER_FIELDS = (
@@ -62,7 +62,7 @@ _PRIORITY = {"engine.kv": 2, "engine.queue": 2}  # request-state intervals win o
 
 @dataclass
 class Phase:
-    """One span to create: ``layer`` is a schema.LAYERS id (None for a request root)."""
+    """One span to create: ``layer`` is a contract.LAYERS id (None for a request root)."""
 
     name: str
     layer: str | None
@@ -134,7 +134,7 @@ def engine_row(
     status = info["status"]
     row: dict[str, Any] = {c: None for c in COLUMNS}
     row.update(
-        request_id=request_id, replica=replica, status=status, finish_reason=FINISH_REASONS.get(status),
+        request_id=request_id, replica=replica, status=status, finish_reason=FINISH_REASON.get(status),
         num_prompt_tokens=info["num_prompt_tokens"], num_cached_tokens=max(info["num_cached_tokens"], 0),
         num_output_tokens=info["num_output_tokens"], num_preemptions=info["num_preemptions"],
         num_recomputed_tokens=info["num_recomputed_tokens"], num_steps=len(step_idx),
@@ -155,7 +155,7 @@ def engine_row(
     token_ns = [steps[i].end_ns - steps[i].output_ns for i in sampled_idx]
     if token_ns and first is not None:
         token_ns[0] = first
-        if finished is not None and status != "finished_aborted" and len(token_ns) > 1:
+        if finished is not None and status != STATUS_ABORTED and len(token_ns) > 1:
             token_ns[-1] = max(finished, token_ns[-2])
     gaps = [b - a for a, b in zip(token_ns, token_ns[1:])]
     if gaps:
@@ -227,10 +227,6 @@ def gateway_phases(row: dict[str, Any]) -> list[Phase]:
     return out
 
 
-def _diff(a: int | None, b: int | None) -> float | None:
-    return None if a is None or b is None else (b - a) / 1e9
-
-
 def finalize_row(raw: dict[str, Any]) -> dict[str, Any]:
     """Add outer-layer components and server/client latencies to an engine (or gateway-only) row.
 
@@ -243,28 +239,28 @@ def finalize_row(raw: dict[str, Any]) -> dict[str, Any]:
     start = g_arr if g_arr is not None else e_arr
     first = row["gateway_first_token_ns"] if row["gateway_first_token_ns"] is not None else e_first
     done = row["gateway_finished_ns"] if row["gateway_finished_ns"] is not None else e_fin
-    row["ttft_s"] = _diff(start, first)
-    row["e2e_s"] = _diff(start, done) if first is not None else None
+    row["ttft_s"] = interval_s(start, first)
+    row["e2e_s"] = interval_s(start, done) if first is not None else None
     n = row["num_output_tokens"] or 0
-    row["tpot_s"] = (row["e2e_s"] - row["ttft_s"]) / (n - 1) if n >= 2 and row["e2e_s"] is not None else None
+    row["tpot_s"] = tpot_s(row["e2e_s"], row["ttft_s"], n)
     c_send = row["client_send_ns"]
-    row["client_ttft_s"] = _diff(c_send, row["client_first_token_ns"])
-    row["client_e2e_s"] = _diff(c_send, row["client_done_ns"]) if row["client_ttft_s"] is not None else None
-    if n >= 2 and row["client_e2e_s"] is not None:
-        row["client_tpot_s"] = (row["client_e2e_s"] - row["client_ttft_s"]) / (n - 1)
+    row["client_ttft_s"] = interval_s(c_send, row["client_first_token_ns"])
+    row["client_e2e_s"] = interval_s(c_send, row["client_done_ns"]) if row["client_ttft_s"] is not None else None
+    if n >= 2 and row["client_e2e_s"] is not None:  # else keep what the client reported
+        row["client_tpot_s"] = tpot_s(row["client_e2e_s"], row["client_ttft_s"], n)
     if row["ttft_s"] is None or row["ttft_residual_s"] is None:
         for _, col in TTFT_COMPONENTS:
             row[col] = None
         row["ttft_residual_s"] = None
         return row
     if g_arr is not None and e_arr is not None:
-        q = _diff(g_arr, g_adm) if g_adm is not None else 0.0
+        q = interval_s(g_arr, g_adm) if g_adm is not None else 0.0
         row[_COMPONENT["gateway.queue"]] = q
-        row[_COMPONENT["gateway.route"]] = _diff(g_adm if g_adm is not None else g_arr, e_arr)
+        row[_COMPONENT["gateway.route"]] = interval_s(g_adm if g_adm is not None else g_arr, e_arr)
     else:
         row[_COMPONENT["gateway.queue"]] = row[_COMPONENT["gateway.route"]] = 0.0
     if row["gateway_first_token_ns"] is not None and e_first is not None:
-        tail = _diff(e_first, row["gateway_first_token_ns"])
+        tail = interval_s(e_first, row["gateway_first_token_ns"])
         row[_COMPONENT["engine.output"]] = (row[_COMPONENT["engine.output"]] or 0.0) + tail
     # the residual absorbs rounding: components + residual == ttft_s
     row["ttft_residual_s"] = row["ttft_s"] - sum(row[c] or 0.0 for _, c in TTFT_COMPONENTS)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from layerscope.contract import interval_s, itl_s, tpot_s
 from layerscope.engine.gateway.protocol import APIError
 from layerscope.engine.gateway.replica import TokenDelta
 
@@ -41,26 +42,21 @@ class GatewayRecord:
 
     @property
     def ttft_s(self) -> float | None:
-        if self.gateway_first_token_ns is None:
-            return None
-        return (self.gateway_first_token_ns - self.gateway_arrival_ns) / 1e9
+        return interval_s(self.gateway_arrival_ns, self.gateway_first_token_ns)
 
     @property
     def e2e_s(self) -> float | None:
-        if self.gateway_finished_ns is None or self.gateway_first_token_ns is None:
+        if self.gateway_first_token_ns is None:
             return None
-        return (self.gateway_finished_ns - self.gateway_arrival_ns) / 1e9
+        return interval_s(self.gateway_arrival_ns, self.gateway_finished_ns)
 
     @property
     def tpot_s(self) -> float | None:
-        """(E2E - TTFT) / (output tokens - 1), DESIGN.md's definition; None below 2 tokens."""
-        if self.num_output_tokens < 2 or self.e2e_s is None:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
+        return tpot_s(self.e2e_s, self.ttft_s, self.num_output_tokens)
 
     @property
     def itl_s(self) -> list[float]:
-        return [(b - a) / 1e9 for a, b in zip(self.token_ns, self.token_ns[1:])]
+        return itl_s(self.token_ns)
 
     def to_row(self) -> dict[str, Any]:
         """The requests.parquet columns the gateway owns (schema names)."""
