@@ -33,14 +33,15 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
-from layerscope.contract import interval_s, itl_s, tpot_s
+from layerscope.contract import RequestTimes, interval_s
 from layerscope.contract import percentiles as contract_percentiles
 from layerscope.regressions.workloads import RequestSpec, WorkloadSpec
 
 
 @dataclass
-class ClientRecord:
-    """One request as the client saw it. Timestamps: ns on the host's monotonic clock."""
+class ClientRecord(RequestTimes):
+    """One request as the client saw it. Timestamps: ns on the host's monotonic clock. ``tpot_s``/``itl_s``:
+    ``RequestTimes``."""
 
     index: int
     api: str
@@ -72,14 +73,6 @@ class ClientRecord:
     @property
     def e2e_s(self) -> float | None:
         return interval_s(self.client_send_ns, self.client_done_ns) if self.ok else None
-
-    @property
-    def tpot_s(self) -> float | None:
-        return tpot_s(self.e2e_s, self.ttft_s, self.num_output_tokens)
-
-    @property
-    def itl_s(self) -> list[float]:
-        return itl_s(self.token_ns)
 
     def to_row(self) -> dict[str, Any]:
         """Client columns of requests.parquet (schema names) plus the join key."""

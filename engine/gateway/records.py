@@ -7,14 +7,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from layerscope.contract import interval_s, itl_s, tpot_s
+from layerscope.contract import RequestTimes, interval_s
 from layerscope.engine.gateway.protocol import APIError
 from layerscope.engine.gateway.replica import TokenDelta
 
 
 @dataclass
-class GatewayRecord:
-    """One request as the gateway saw it. Timestamps: ns, host monotonic clock."""
+class GatewayRecord(RequestTimes):
+    """One request as the gateway saw it. Timestamps: ns, host monotonic clock. ``tpot_s``/``itl_s``:
+    ``RequestTimes``."""
 
     request_id: str
     api: str  # completions | chat
@@ -49,14 +50,6 @@ class GatewayRecord:
         if self.gateway_first_token_ns is None:
             return None
         return interval_s(self.gateway_arrival_ns, self.gateway_finished_ns)
-
-    @property
-    def tpot_s(self) -> float | None:
-        return tpot_s(self.e2e_s, self.ttft_s, self.num_output_tokens)
-
-    @property
-    def itl_s(self) -> list[float]:
-        return itl_s(self.token_ns)
 
     def to_row(self) -> dict[str, Any]:
         """The requests.parquet columns the gateway owns (schema names)."""

@@ -35,17 +35,11 @@ LAYERS = (
     "workload",
 )
 
-# the layers a request's TTFT / E2E / TPOT is split into, in request order
-BREAKDOWN_LAYERS = (
-    "gateway.queue",
-    "gateway.route",
-    "engine.queue",
-    "engine.schedule",
-    "engine.kv",
-    "model.forward",
-    "parallel.collective",
-    "engine.output",
-)
+# the layers a request's TTFT / E2E / TPOT is split into, in request order: the client's share is
+# client-observed minus server-observed time (``client_s``), kernel time lies inside model.forward,
+# and hardware and workload are causes, not places on a request's path
+BREAKDOWN_LAYERS = tuple(layer for layer in LAYERS if layer not in (
+    "client", "kernel.compute", "kernel.launch_gap", "hardware", "workload"))
 
 
 def component_column(metric: str, layer: str) -> str:
@@ -91,6 +85,24 @@ def itl_s(token_ns: Iterable[int]) -> list[float]:
     """Inter-token latencies (seconds): the gap before each token after the first, per token."""
     t = list(token_ns)
     return [(b - a) / 1e9 for a, b in zip(t, t[1:])]
+
+
+class RequestTimes:
+    """For a request record with ``ttft_s`` and ``e2e_s``, ``num_output_tokens`` and ``token_ns`` (each
+    token's arrival, ns): ``tpot_s`` and ``itl_s`` by the formulas above (gateway and client records)."""
+
+    ttft_s: float | None
+    e2e_s: float | None
+    num_output_tokens: int
+    token_ns: list[int]
+
+    @property
+    def tpot_s(self) -> float | None:
+        return tpot_s(self.e2e_s, self.ttft_s, self.num_output_tokens)
+
+    @property
+    def itl_s(self) -> list[float]:
+        return itl_s(self.token_ns)
 
 
 PERCENTILES = (50, 90, 99)
