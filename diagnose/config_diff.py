@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
-from layerscope.contract import CONFIG_DEFAULTS, CONFIG_KEYS, CONFIG_LAYERS
+from layerscope.contract import CONFIG_DEFAULTS, CONFIG_KEYS, CONFIG_LAYERS, flatten_config
 
 # values the engine derives at start-up (manifest "resolved")
 RESOLVED_LAYERS: dict[str, str] = {
@@ -49,17 +49,6 @@ CAN_MOVE: dict[str, frozenset[str]] = {
 VERSION_LAYERS = {"torch": "kernel.compute", "triton": "kernel.compute", "transformers": "model.forward"}
 
 DIFF_COLUMNS = ["kind", "key", "baseline", "candidate", "layer", "baseline_source", "candidate_source", "consistent"]
-
-
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"gateway": {"max_queue": 1}}`` -> ``{"gateway.max_queue": 1}``."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def set_keys_from_command(argv: Iterable[str] | None) -> set[str]:
@@ -103,7 +92,7 @@ def config_source(obj: Any) -> dict[str, Any]:
             if "config" in data and "format" in data:  # a manifest.json
                 data.pop("faults", None)
                 return _from_manifest(data, str(p))
-            flat = flatten(data)
+            flat = flatten_config(data)
             unknown = sorted(set(flat) - set(CONFIG_KEYS))
             if unknown:
                 raise RunError(f"{p}: unknown config keys {', '.join(unknown)}")
@@ -121,17 +110,17 @@ def _from_manifest(m: Mapping[str, Any], name: str) -> dict[str, Any]:
     if isinstance(resolved, list):  # per replica
         flat_r: dict[str, Any] = {}
         for i, r in enumerate(resolved):
-            for k, v in flatten(r).items():
+            for k, v in flatten_config(r).items():
                 flat_r[k if len(resolved) == 1 else f"replica{i}.{k}"] = v
         resolved = flat_r
     else:
-        resolved = flatten(resolved)
+        resolved = flatten_config(resolved)
     return {
         "name": name,
-        "config": {**CONFIG_DEFAULTS, **flatten(m.get("config") or {})},
+        "config": {**CONFIG_DEFAULTS, **flatten_config(m.get("config") or {})},
         "resolved": resolved,
         "versions": dict(m.get("versions") or {}),
-        "hardware": flatten(m.get("hardware") or {}),
+        "hardware": flatten_config(m.get("hardware") or {}),
         "set_keys": set_keys_from_command(m.get("command")),
         # key -> layer as the engine that ran registered it, when the bundle records it
         "layers": dict(m.get("config_layers") or {}),

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from layerscope.contract import CONFIG_KEYS
+from layerscope.contract import CONFIG_KEYS, flatten_config  # noqa: F401  (flatten_config: re-exported)
 
 
 class ConfigError(ValueError):
@@ -148,18 +148,6 @@ def config_keys() -> dict[str, dict[str, str]]:
         out[f.name] = {"layer": f.metadata["layer"], "doc": f.metadata["doc"]}
     for f in fields(GatewayConfig):
         out[f"gateway.{f.name}"] = {"layer": f.metadata["layer"], "doc": f.metadata["doc"]}
-    return out
-
-
-def flatten_config(d: Mapping[str, Any]) -> dict[str, Any]:
-    """Flatten a config dict (as in a manifest) to ``key -> value`` with ``gateway.x`` keys."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            for k2, v2 in flatten_config(v).items():
-                out[f"{k}.{k2}"] = v2
-        else:
-            out[k] = v
     return out
 
 

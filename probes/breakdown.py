@@ -201,15 +201,12 @@ def request_breakdown(run: Tables) -> pd.DataFrame:
     tpot = r["tpot_s"].to_numpy(np.float64)
     tpot_c = decode_c / denom[:, None]
     cols = {}
-    for j, layer in enumerate(COMPONENTS):
-        cols[col("ttft", layer)] = ttft_rows[:, j]
-    cols["ttft_residual_s"] = ttft_rows[:, -1]
-    for j, layer in enumerate(COMPONENTS):
-        cols[col("e2e", layer)] = e2e_c[:, j]
-    cols["e2e_residual_s"] = e2e - e2e_c.sum(axis=1)
-    for j, layer in enumerate(COMPONENTS):
-        cols[col("tpot", layer)] = tpot_c[:, j]
-    cols["tpot_residual_s"] = tpot - tpot_c.sum(axis=1)
+    for metric, comps, resid in (("ttft", ttft_rows[:, :-1], ttft_rows[:, -1]),
+                                 ("e2e", e2e_c, e2e - e2e_c.sum(axis=1)),
+                                 ("tpot", tpot_c, tpot - tpot_c.sum(axis=1))):
+        for j, layer in enumerate(COMPONENTS):
+            cols[col(metric, layer)] = comps[:, j]
+        cols[f"{metric}_residual_s"] = resid
     out = pd.concat([out, pd.DataFrame(cols)], axis=1)
     out["ttft_recorded"] = has_rec
     dom = np.nan_to_num(e2e_c, nan=-1.0).argmax(axis=1)

@@ -32,13 +32,12 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterable
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -135,8 +134,8 @@ def with_ttft_components(rows: list[dict[str, Any]], steps: pa.Table, spans: pa.
         return rows
     requests = frame(pa.Table.from_pylist(rows, schema=schema.REQUESTS))
     requests[TTFT_COLUMNS] = np.nan  # derived here, never carried over
-    tables = _Tables(requests, frame(steps, skip=("request_ids", "request_num_tokens")), frame(spans),
-                     memberships(steps, requests["request_id"].to_numpy()))
+    tables = SimpleNamespace(requests=requests, steps=frame(steps, skip=("request_ids", "request_num_tokens")),
+                             spans=frame(spans), memberships=memberships(steps, requests["request_id"].to_numpy()))
     bd = request_breakdown(tables)
     values = bd[TTFT_COLUMNS].to_numpy(np.float64)
     out = []
@@ -144,14 +143,6 @@ def with_ttft_components(rows: list[dict[str, Any]], steps: pa.Table, spans: pa.
         known = all(r.get(k) is not None for k in ("engine_arrival_ns", "engine_first_token_ns", "ttft_s"))
         out.append({**r, **{c: float(values[i, j]) if known else None for j, c in enumerate(TTFT_COLUMNS)}})
     return out
-
-
-@dataclass
-class _Tables:
-    requests: pd.DataFrame
-    steps: pd.DataFrame
-    spans: pd.DataFrame
-    memberships: pd.DataFrame
 
 
 class BundleWriter:

@@ -68,13 +68,18 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_parquet(path: Path, sch: pa.Schema) -> None:
+def _parquet(path: Path, read):
+    """``read(path)`` (a pyarrow.parquet reader) with a missing or corrupt file as a BundleError."""
     if not path.is_file():
         raise BundleError(f"{path}: missing table {path.stem!r} (not a complete run bundle)")
     try:
-        got = pq.read_schema(path)
+        return read(path)
     except (pa.ArrowException, OSError) as e:
         raise BundleError(f"{path}: corrupt or truncated Parquet file ({e})") from None
+
+
+def _check_parquet(path: Path, sch: pa.Schema) -> None:
+    got = _parquet(path, pq.read_schema)
     for f in sch:
         if f.name not in got.names:
             raise BundleError(f"{path}: column {f.name!r} is missing")
@@ -85,10 +90,7 @@ def _check_parquet(path: Path, sch: pa.Schema) -> None:
 def read_table(path: Path, sch: pa.Schema) -> pa.Table:
     """The table at ``path`` with exactly ``sch``'s columns, in order (an all-null column takes the schema's type)."""
     _check_parquet(path, sch)
-    try:
-        t = pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
-        raise BundleError(f"{path}: corrupt or truncated Parquet file ({e})") from None
+    t = _parquet(path, pq.read_table)
     cols = [t.column(f.name) if t.column(f.name).type.equals(f.type) else pa.nulls(t.num_rows, f.type) for f in sch]
     return pa.Table.from_arrays(cols, schema=sch)
 

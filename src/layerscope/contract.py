@@ -16,7 +16,7 @@ pyarrow, no numpy, so importing it is free for every process.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 # ---- the layer taxonomy (DESIGN.md "The layer taxonomy") ----------------------------------------
 LAYERS = (
@@ -162,3 +162,15 @@ CONFIG_KEYS: dict[str, tuple[str, Any]] = {
 }
 CONFIG_LAYERS: dict[str, str] = {k: v[0] for k, v in CONFIG_KEYS.items()}
 CONFIG_DEFAULTS: dict[str, Any] = {k: v[1] for k, v in CONFIG_KEYS.items()}
+
+
+def flatten_config(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict (as in a manifest) as ``key -> value`` with CONFIG_KEYS' dotted keys:
+    ``{"gateway": {"max_queue": 1}}`` -> ``{"gateway.max_queue": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(flatten_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
