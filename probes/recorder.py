@@ -12,26 +12,28 @@ batches (``feed.py``: every ``metrics_every_steps`` steps, when the engine goes
 idle, and before any scrape).
 
 Serving across processes: the gateway process runs a recorder with
-``replica="gateway"`` and calls ``gateway_begin``/``set_request_timestamps``/
-``gateway_end``; it passes the traceparent from ``gateway_begin`` and its own
-timestamps to the replica, whose recorder gets them through ``set_traceparent`` /
-``set_request_timestamps``. Each replica hands back ``export()`` (or writes
-``bundle.write_part``); ``BundleWriter`` merges everything on request_id. Call
-``configure(config, resolved)`` and ``start()``/``stop()`` around the run.
+``replica="gateway"`` (``serving.GatewayProbeRecorder``, the engine's GatewayRecorder
+seam, calls ``gateway_begin``/``set_request_timestamps``/``gateway_end``); it passes
+the traceparent from ``gateway_begin`` and its own timestamps to the replica, whose
+recorder gets them through ``set_traceparent`` / ``set_request_timestamps``. Each
+replica hands back ``export()`` (or writes ``bundle.write_part``); ``BundleWriter``
+merges everything on request_id. Call ``configure(config, resolved)`` and
+``start()``/``stop()`` around the run. The metric set holds only what this process
+exposes (``metrics.exposed_by``): gateway metrics in the gateway, engine ones here.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import pyarrow as pa
 
-from layerscope.engine.recorder import _NULL_CONTEXT, CollectiveRecord, Recorder, StepRecord
+from layerscope.engine.recorder import CollectiveRecord, Recorder, StepRecord
 from layerscope.probes import schema
-from layerscope.probes.feed import MetricsFeed
-from layerscope.probes.metrics import GATEWAY_REPLICA
+from layerscope.probes.feed import MetricsFeed, Recorded
+from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
 from layerscope.probes.requests import OUTER_FIELDS, Phase, engine_row, finalize_row, gateway_phases
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
@@ -104,8 +106,11 @@ class ProbeRecorder(Recorder):
             self.metrics = None
             self.tracer = None
             return
-        self._feed = MetricsFeed(registry, model_name, replica, metrics_every_steps, self)
-        self.metrics = self._feed.metrics
+        if replica == GATEWAY_REPLICA:  # no engine steps here: the gateway's metrics, no feed
+            self.metrics = create_metrics(registry, model_name, replica, scope="gateway")
+        else:
+            self._feed = MetricsFeed(registry, model_name, replica, metrics_every_steps, self)
+            self.metrics = self._feed.metrics
         self.tracer = RequestTracer("layerscope", replica, otlp)
         if level == "full":
             import tempfile
@@ -164,7 +169,7 @@ class ProbeRecorder(Recorder):
 
     def step_context(self, step_id: int):
         prof = self.profiler
-        return prof.step_context(step_id) if prof is not None else _NULL_CONTEXT
+        return prof.step_context(step_id) if prof is not None else super().step_context(step_id)
 
     def on_request_events(self, request, events) -> None:
         if not self.enabled:
@@ -195,7 +200,8 @@ class ProbeRecorder(Recorder):
         self._sampled.append(sampled)
         if layer_times:
             self._layer_times.append((step.step_id, layer_times))
-        self._feed.step_recorded(len(self._steps), not (step.num_running or step.num_waiting), self)
+        if self._feed is not None:
+            self._feed.step_recorded(len(self._steps), not (step.num_running or step.num_waiting), self)
 
     def flush_metrics(self) -> None:
         """Put what was recorded since the last flush into Prometheus (the step loop does every
@@ -211,7 +217,8 @@ class ProbeRecorder(Recorder):
         for r in records:
             if r.rank == 0:
                 coll[r.step_id] = coll.get(r.step_id, 0) + r.duration_ns
-        self._feed.collectives(records)
+        if self._feed is not None:
+            self._feed.collectives(records)
 
     def on_request_finished(self, request) -> None:
         if not self.enabled:
@@ -229,7 +236,8 @@ class ProbeRecorder(Recorder):
         }
         st.req = None
         self._done.append(st)
-        self._feed.request_finished(st, idle=not self._live, recorder=self)
+        if self._feed is not None:
+            self._feed.request_finished(st, idle=not self._live, recorder=self)
         if self.tracer.otlp:  # a live collector wants spans now, not at bundle write
             self._build(st)
 
@@ -274,12 +282,17 @@ class ProbeRecorder(Recorder):
                                           {"http_status": http_status or 0, "status": status or ""})
         if trace_id is not None:
             self._gateway_traces[request_id] = trace_id
+        self.count_gateway_request(http_status, row.get("gateway_arrival_ns"), row.get("gateway_admitted_ns"))
+
+    def count_gateway_request(self, http_status: int | None, arrival_ns: int | None, admitted_ns: int | None) -> None:
+        """The gateway metrics of one answered request: its status code, its admission wait."""
         m = self.metrics
+        if m is None:
+            return
         if http_status is not None:
             m.child("layerscope_gateway_requests_total", str(http_status)).inc()
-        if row.get("gateway_admitted_ns") and row.get("gateway_arrival_ns"):
-            m.child("layerscope_gateway_queue_time_seconds").observe(
-                (row["gateway_admitted_ns"] - row["gateway_arrival_ns"]) * 1e-9)
+        if admitted_ns and arrival_ns:
+            m.child("layerscope_gateway_queue_time_seconds").observe((admitted_ns - arrival_ns) * 1e-9)
 
     # ---- building the tables (off the hot path) ---------------------------------------------
     def _collective_ns(self) -> dict[int, int]:
@@ -363,7 +376,32 @@ class ProbeRecorder(Recorder):
         return sorted(p for p in self.trace_dir.iterdir() if p.is_file())
 
     def _on_window(self, ratio: float) -> None:
-        self._feed.launch_gap_ratio(ratio)
+        if self._feed is not None:
+            self._feed.launch_gap_ratio(ratio)
+
+    # ---- what the metrics feed reads (feed.RecordSource) ----------------------------------------
+    def recorded_since(self, num_steps: int, num_layer_samples: int) -> Recorded:
+        """Steps after the first ``num_steps``, the tokens sampled in them, and layer-time samples after
+        the first ``num_layer_samples``."""
+        return Recorded(self._steps[num_steps:], sum(self._sampled[num_steps:]), self._layer_times[num_layer_samples:])
+
+    def step(self, index: int) -> StepRecord:
+        """The ``index``-th recorded step (0-based, in recording order)."""
+        return self._steps[index]
+
+    def gateway_fields(self, request_id: str) -> dict[str, Any] | None:
+        """The gateway's fields of ``request_id`` (``set_request_timestamps``), or None."""
+        return self._outer.get(request_id)
+
+    def metric_families(self, stats: Mapping[str, Any]) -> list:
+        """This replica's Prometheus families, pending updates fed and the engine gauges set from
+        ``stats`` (the state now, which may be newer than the last step's)."""
+        if self.metrics is None:
+            return []
+        if self._feed is not None:
+            self._feed.flush(self)
+            self._feed.engine_state(stats)
+        return list(self.metrics.registry.collect())
 
     @property
     def num_steps(self) -> int:

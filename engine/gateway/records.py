@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from layerscope.engine.gateway.protocol import APIError
-from layerscope.engine.gateway.replica import TokenDelta
+from layerscope.engine.gateway.messages import TokenDelta
 
 
 @dataclass

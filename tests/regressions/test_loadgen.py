@@ -142,7 +142,7 @@ def stack(tiny_model):
     from layerscope.engine.gateway.server import serving
 
     gateway = Gateway(EngineConfig.from_overrides(model=str(tiny_model), num_kv_blocks=512), num_replicas=1,
-                      probes="off", record=True, served_model_name="tiny")
+                      record=True, served_model_name="tiny")
     with serving(gateway) as url:
         yield gateway, url
 
