@@ -51,7 +51,7 @@ _REQUEST_HISTOGRAMS = {
     "tpot": "layerscope_time_per_output_token_seconds",
     "itl": "layerscope_inter_token_latency_seconds",
 }
-_SUCCESS_REASON = {"finished_stopped": "stop", "finished_length": "length"}
+SUCCESS_REASON = {"finished_stopped": "stop", "finished_length": "length"}
 
 
 class _FlushOnCollect:
@@ -169,7 +169,7 @@ class MetricsFeed:
             outer = recorder.gateway_fields(st.rid)
             # server-side latencies run from the gateway arrival when the gateway told us about it
             start = outer["gateway_arrival_ns"] if outer and outer.get("gateway_arrival_ns") else arrival
-            reason = _SUCCESS_REASON.get(info["status"], "abort")
+            reason = SUCCESS_REASON.get(info["status"], "abort")
             success[reason] = success.get(reason, 0) + 1
             prompt_tokens += info["num_prompt_tokens"]
             if arrival is not None and sched is not None:

@@ -259,50 +259,12 @@ class ProbeRecorder(Recorder):
             return
         self._outer.setdefault(request_id, {}).update(fields)
 
-    def gateway_begin(self, request_id: str, arrival_ns: int | None = None, traceparent: str | None = None) -> str:
-        """The gateway got ``request_id``: open its root span; return the traceparent to hand to the replica."""
-        arrival_ns = arrival_ns if arrival_ns is not None else time.monotonic_ns()
-        self.set_request_timestamps(request_id, gateway_arrival_ns=arrival_ns)
-        if not self.enabled:
-            return traceparent or ""
-        tp = self.tracer.open_root(request_id, "request", arrival_ns, traceparent)
-        self._traceparents[request_id] = tp  # the engine's spans (if it runs here) join this trace
-        return tp
-
-    def gateway_end(self, request_id: str, status: str | None = None, http_status: int | None = None,
-                    error: str | None = None, **timestamps: Any) -> None:
-        """The gateway is done with ``request_id``: close its trace, count it in the gateway metrics."""
-        fields = {k: v for k, v in dict(status=status, http_status=http_status, error=error).items() if v is not None}
-        self.set_request_timestamps(request_id, **fields, **timestamps)
-        if not self.enabled:
-            return
-        row = {"request_id": request_id, **self._outer[request_id]}
-        end = row.get("gateway_finished_ns") or time.monotonic_ns()
-        trace_id = self.tracer.close_root(request_id, end, gateway_phases(row),
-                                          {"http_status": http_status or 0, "status": status or ""})
-        if trace_id is not None:
-            self._gateway_traces[request_id] = trace_id
-        self.count_gateway_request(http_status, row.get("gateway_arrival_ns"), row.get("gateway_admitted_ns"))
-
-    def count_gateway_request(self, http_status: int | None, arrival_ns: int | None, admitted_ns: int | None) -> None:
-        """The gateway metrics of one answered request: its status code, its admission wait."""
-        m = self.metrics
-        if m is None:
-            return
-        if http_status is not None:
-            m.child("layerscope_gateway_requests_total", str(http_status)).inc()
-        if admitted_ns and arrival_ns:
-            m.child("layerscope_gateway_queue_time_seconds").observe((admitted_ns - arrival_ns) * 1e-9)
-
     # ---- building the tables (off the hot path) ---------------------------------------------
-    def _collective_ns(self) -> dict[int, int]:
-        return self._coll_ns
-
     def _build(self, st: _Req, coll: dict[int, int] | None = None) -> None:
         """The request's engine row and its trace (once per request)."""
         rid = st.rid
         row, phases, _ = engine_row(rid, self._replica_col, st.info, st.events, self._steps, st.step_idx,
-                                    st.sampled_idx, coll if coll is not None else self._collective_ns())
+                                    st.sampled_idx, coll if coll is not None else self._coll_ns)
         view = _fill(dict(row), self._outer.get(rid, {}))
         tp = self._traceparents.get(rid)  # from the gateway (this process's gateway_begin, or another's)
         if tp is None and rid in self._outer:
@@ -324,7 +286,7 @@ class ProbeRecorder(Recorder):
         """
         if not self.enabled:
             return []
-        coll = self._collective_ns()
+        coll = self._coll_ns
         rows: dict[str, dict[str, Any]] = {}
         for st in self._done:
             if st.row is None:
@@ -346,16 +308,19 @@ class ProbeRecorder(Recorder):
         spans = self.tracer.rows if self.tracer is not None else []
         return {
             "requests": pa.Table.from_pylist(req_rows, schema=schema.REQUESTS),
-            "steps": steps_table(self._steps, rep, self._collective_ns()),
+            "steps": steps_table(self._steps, rep, self._coll_ns),
             "layers": layers_table(self._layer_times, rep),
             "kernels": rows_table(kernels, schema.KERNELS),
             "collectives": collectives_table(self._collectives, rep),
             "spans": rows_table(spans, schema.SPANS),
         }
 
-    def export(self) -> dict[str, Any]:
+    def export(self) -> dict[str, Any] | None:
         """Everything recorded, as plain data for another process's ``BundleWriter.add_export``
-        (tables as Arrow IPC bytes, request rows not finalized, metrics text, trace files' bytes)."""
+        (tables as Arrow IPC bytes, request rows not finalized, metrics text, trace files' bytes);
+        None when off (nothing recorded)."""
+        if not self.enabled:
+            return None
         from layerscope.probes.bundle import make_export
 
         return make_export(self)

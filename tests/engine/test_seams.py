@@ -20,13 +20,36 @@ def test_gateway_process_imports_neither_probes_nor_torch():
     assert not {m for m in mods if m.startswith("layerscope.probes") or m == "torch"}
 
 
-def test_probes_off_builds_no_metrics(tiny_model):
+def test_a_gateway_without_recorders_builds_no_metrics(tiny_model):
     from layerscope.engine.gateway.gateway import Gateway
     from layerscope.engine.recorder import GatewayRecorder
 
     gw = Gateway(EngineConfig.from_overrides(model=str(tiny_model)), record=True)
     assert type(gw.recorder) is GatewayRecorder and not gw.recording
     assert gw.recorder.metric_families() == []
+
+
+def test_probes_off_records_nothing_and_keeps_only_exposed_metrics(tiny_model):
+    from layerscope.engine.llm import LLM
+    from layerscope.engine.sampling_params import SamplingParams
+    from layerscope.probes.metrics import METRICS, exposed_by
+    from layerscope.probes.serving import recorders
+
+    factory = recorders("off")
+    gw = factory.gateway("m", keep_requests=True)
+    assert not gw.enabled and gw.export() is None  # nothing recorded for a bundle
+    rec = factory.engine(0, "m")
+    assert not rec.enabled
+    with LLM(model=str(tiny_model), recorder=rec) as llm:
+        llm.generate(["hello world", "a b c"], SamplingParams(max_tokens=3, ignore_eos=True))
+        fams = {f.name: f for f in rec.metric_families(llm.engine.stats())}
+    replica_names = {m.name.removesuffix("_total") for m in METRICS if exposed_by(m) in ("replica", "both")}
+    assert set(fams) == replica_names
+    success = {s.labels.get("finished_reason"): s.value for s in fams["layerscope_request_success"].samples
+               if s.name.endswith("_total")}
+    assert success["length"] == 2
+    gen = [s.value for s in fams["layerscope_generation_tokens"].samples if s.name.endswith("_total")]
+    assert gen == [6]
 
 
 def test_gateway_recorder_holds_only_gateway_metrics():
