@@ -141,3 +141,34 @@ def test_engine_faults_land_in_their_step_phase(tiny_model):
     assert 20 <= sched_ms < 20 + 15 and 30 <= out_ms < 30 + 15
     base_sched_ms, base_out_ms = phases(Faults())
     assert base_sched_ms < 10 and base_out_ms < 10
+
+
+def test_cli_bad_fault_and_set_exit_with_the_list(tiny_model):
+    import subprocess
+    import sys
+
+    for extra, words in ((["--fault", "router.skew=0.5"], ["router.skew needs two or more replicas"]),
+                         (["--set", "max_num_seq=4"], ["unknown config key 'max_num_seq'", "max_num_seqs"]),
+                         (["--fault", "nope=1"], ["unknown fault 'nope'", "collective.delay_ms"])):
+        p = subprocess.run([sys.executable, "-m", "layerscope", "serve", "--model", str(tiny_model), "--port", "0",
+                            *extra], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr
+        assert "starting" not in p.stderr  # refused before any replica started
+        for w in words:
+            assert w in p.stderr
+
+
+def test_every_fault_matrix_case_passes_the_checks(tiny_model):
+    """The fault matrix's candidates are runs that have what their faults name (and inject the same faults)."""
+    from layerscope.engine.gateway.cli import add_engine_args, build_gateway
+    from layerscope.regressions import fault_matrix as fm
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    parser.add_argument("--profile")
+    checked = set()
+    for case in fm.CASES:
+        args = parser.parse_args(["--model", str(tiny_model), *case.baseline, *case.candidate])
+        gateway = build_gateway(args, record=True)  # not started: only checked
+        checked.update(gateway.faults.to_dict())
+    assert checked == set(FAULTS)  # every fault is in the matrix, and each passed its checks
