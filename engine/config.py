@@ -10,6 +10,7 @@ the one table diagnose reads as well (diagnose never imports the engine). Values
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -107,12 +108,12 @@ class EngineConfig:
             if key.startswith("gateway."):
                 sub = key.split(".", 1)[1]
                 if sub not in gw_known:
-                    raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(config_keys()))}")
+                    raise ConfigError(_unknown_key(key))
                 gw[sub] = _coerce(gw_known[sub], value, key)
             elif key in known and key != "gateway":
                 top[key] = _coerce(known[key], value, key)
             else:
-                raise ConfigError(f"unknown config key {key!r}; known: {', '.join(sorted(config_keys()))}")
+                raise ConfigError(_unknown_key(key))
         if gw:
             top["gateway"] = dataclasses.replace(base.gateway, **gw)
         return dataclasses.replace(base, **top)
@@ -133,7 +134,7 @@ def parse_set_args(items: list[str] | None) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items or []:
         if "=" not in item:
-            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}; keys: {', '.join(sorted(config_keys()))}")
         k, v = item.split("=", 1)
         out[k.strip()] = v.strip()
     return out
@@ -176,6 +177,13 @@ class ResolvedConfig:
 
 
 # ---- helpers ------------------------------------------------------------------------------
+def _unknown_key(key: str) -> str:
+    keys = sorted(config_keys())
+    close = difflib.get_close_matches(key, keys, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown config key {key!r}{hint}; known: {', '.join(keys)}"
+
+
 def _positive(obj: Any, name: str, prefix: str = "") -> None:
     value = getattr(obj, name)
     if value <= 0:
@@ -199,11 +207,13 @@ def _coerce(f: dataclasses.Field, value: Any, key: str) -> Any:
                 return True
             if low in ("0", "false", "no", "off"):
                 return False
-            raise ValueError(value)
+            raise ConfigError(f"config key {key!r} expects bool (true/false, 1/0, yes/no, on/off), got {value!r}")
         if typ == "int":
             return int(value)
         if typ == "float":
             return float(value)
+    except ConfigError:
+        raise
     except ValueError:
-        raise ConfigError(f"config key {key!r} expects {typ}, got {value!r}") from None
+        raise ConfigError(f"config key {key!r} expects {typ}, got {value!r} ({f.metadata.get('doc', '')})") from None
     return value

@@ -18,20 +18,18 @@ import torch
 from layerscope.contract import FINISH_REASON
 from layerscope.engine.block_manager import BlockManager
 from layerscope.engine.config import ConfigError, EngineConfig, ResolvedConfig
+from layerscope.engine.executor import Executor, create_executor
 from layerscope.engine.faults import Faults
 from layerscope.engine.host import keep_freed_memory
-from layerscope.engine.model_runner import ModelRunner, allocate_kv_cache, kv_cache_bytes_per_block
-from layerscope.engine.models.loader import DTYPES, load_model, load_spec
-from layerscope.engine.models.native_decode import NativeDecode
+from layerscope.engine.model_runner import kv_cache_bytes_per_block
+from layerscope.engine.models.loader import DTYPES, load_spec
 from layerscope.engine.outputs import RequestOutput
-from layerscope.engine.parallel.context import ParallelContext
-from layerscope.engine.parallel.layers import can_prepack, prepack_linears
 from layerscope.engine.recorder import Recorder, StepRecord
 from layerscope.engine.request import Request, RequestStatus
 from layerscope.engine.sampling_params import InvalidRequestError, SamplingParams
-from layerscope.engine.scheduler import Scheduler
+from layerscope.engine.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 from layerscope.engine.tokenizer import Detokenizer, load_tokenizer
-from layerscope.kernels import get_kernel_ops, resolve_backend
+from layerscope.kernels import resolve_backend
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +48,7 @@ class LLMEngine:
         device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
                               ("cpu" if config.device == "auto" else config.device))
         spec = load_spec(config.model)
+        self.faults.check(tp_size=config.tp_size, num_layers=spec.num_layers)
         dtype_name = spec.torch_dtype if config.dtype == "auto" else config.dtype
         if dtype_name not in DTYPES:
             dtype_name = "float32"
@@ -79,23 +78,9 @@ class LLMEngine:
             )
         self.max_model_len = max_model_len
 
-        ops = get_kernel_ops(backend, self.faults.kernel_slowdown, self.faults.kernel_launch_gap_us)
-        if config.tp_size > 1:
-            from layerscope.engine.parallel.executor import TPExecutor
-
-            self.executor = TPExecutor(config, spec, dtype, device, backend, num_blocks, max_model_len,
-                                       self.faults, self.recorder)
-            num_params = self.executor.num_parameters
-        else:
-            model = load_model(config.model, spec, dtype, ParallelContext(), ops, max_model_len, device)
-            if config.weight_prepack and can_prepack(dtype, device):
-                prepack_linears(model, native=backend == "cpu")
-                if not config.enforce_eager:
-                    model.native_decode = NativeDecode.build(model, ops)
-            kv = allocate_kv_cache(spec, num_blocks, block_size, kv_heads_per_rank, dtype, device)
-            self.executor = ModelRunner(model, kv, block_size, device, config.seed, self.faults.layer_delays_s,
-                                        ops.argmax)
-            num_params = sum(p.numel() for p in model.parameters())
+        self.executor: Executor = create_executor(config, spec, dtype, device, backend, num_blocks, max_model_len,
+                                                  self.faults, self.recorder)
+        num_params = self.executor.num_parameters
 
         self.block_manager = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -105,6 +90,9 @@ class LLMEngine:
             max_model_len,
             config.enable_chunked_prefill,
         )
+        # the step's phases that engine-level faults wrap (faults.py)
+        self._schedule = self.faults.wrap_scheduler(self.scheduler.schedule)
+        self._process_outputs = self.faults.wrap_output(self._update_and_make_outputs)
         self.resolved = ResolvedConfig(
             architecture=spec.architecture,
             dtype=dtype_name,
@@ -127,8 +115,6 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._emitted: dict[str, int] = {}
         self._ids = itertools.count()
-        self._step_overhead_s = self.faults.engine_step_overhead_ms / 1000.0
-        self._output_delay_s = self.faults.output_delay_ms / 1000.0
 
     # ---- requests ----
     def add_request(
@@ -187,9 +173,7 @@ class LLMEngine:
         bm, sched = self.block_manager, self.scheduler
         t0 = time.monotonic_ns()
         q0, h0, p0 = bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions
-        if self._step_overhead_s:
-            time.sleep(self._step_overhead_s)
-        out = sched.schedule()
+        out = self._schedule()
         t1 = time.monotonic_ns()
         if out.is_empty:
             return []
@@ -198,10 +182,7 @@ class LLMEngine:
         with self.recorder.step_context(step_id):
             runner_out = self.executor.execute_model(out, time_layers)
         t2 = time.monotonic_ns()
-        updated = sched.update_from_output(out, runner_out)
-        outputs = [self._make_output(req) for req in updated]
-        if self._output_delay_s:
-            time.sleep(self._output_delay_s)
+        outputs = self._process_outputs(out, runner_out)
         t3 = time.monotonic_ns()
 
         rec = self.recorder
@@ -245,6 +226,10 @@ class LLMEngine:
                 self._release(sched.requests[o.request_id])
         return outputs
 
+    def _update_and_make_outputs(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        """The step's output phase: sampled tokens into the requests, then their outputs."""
+        return [self._make_output(req) for req in self.scheduler.update_from_output(out, runner_out)]
+
     def _make_output(self, req: Request) -> RequestOutput:
         rid = req.request_id
         detok = self._detok[rid]
@@ -284,8 +269,7 @@ class LLMEngine:
         self.recorder.on_request_events(req, req.take_events())
         self.recorder.on_request_finished(req)
         self.scheduler.pop_finished(rid)
-        if hasattr(self.executor, "sampler"):
-            self.executor.sampler.forget(rid)
+        self.executor.forget(rid)
         self._detok.pop(rid, None)
         self._prompts.pop(rid, None)
         self._emitted.pop(rid, None)
@@ -305,5 +289,4 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
-        if hasattr(self.executor, "shutdown"):
-            self.executor.shutdown()
+        self.executor.shutdown()

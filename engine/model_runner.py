@@ -3,7 +3,8 @@
 ``prepare_inputs`` turns a SchedulerOutput into flat tensors (prefill-path requests
 first, then one-token decodes), ``forward`` runs the model (every TP rank runs it),
 ``execute_model`` does both plus sampling and returns a ModelRunnerOutput with the
-phase timings the recorder needs.
+phase timings the recorder needs. ``build_model_runner`` assembles one rank's runner
+(weights, KV cache, kernel ops), applying the injected faults that act inside it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
+from layerscope.engine.config import EngineConfig
+from layerscope.engine.faults import Faults
 from layerscope.engine.models.llama import CausalLM, ForwardContext, ModelSpec, run_timed
+from layerscope.engine.models.loader import load_model
+from layerscope.engine.models.native_decode import NativeDecode
+from layerscope.engine.parallel.comm import name_collectives
+from layerscope.engine.parallel.context import ParallelContext
+from layerscope.engine.parallel.layers import can_prepack, prepack_linears
 from layerscope.engine.sampler import Sampler
 from layerscope.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from layerscope.kernels import AttentionMetadata
+from layerscope.kernels import AttentionMetadata, get_kernel_ops
 
 
 @dataclass
@@ -46,7 +54,38 @@ def allocate_kv_cache(
     ]
 
 
+def build_model_runner(
+    config: EngineConfig,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: str,
+    num_blocks: int,
+    max_model_len: int,
+    faults: Faults,
+    pctx: ParallelContext,
+) -> "ModelRunner":
+    """One rank's weight shard, KV-cache shard and runner (a single-process engine is rank 0 of 1).
+
+    The faults that act inside a rank are applied here: kernel ops, forward rows, collectives.
+    """
+    ops = faults.wrap_kernel_ops(get_kernel_ops, backend)
+    pctx = faults.wrap_parallel(pctx)
+    model = load_model(config.model, spec, dtype, pctx, ops, max_model_len, device)
+    if pctx.world_size > 1:
+        name_collectives(model)
+    if config.weight_prepack and can_prepack(dtype, device):
+        prepack_linears(model, native=backend == "cpu")
+        if not config.enforce_eager and pctx.world_size == 1:
+            model.native_decode = NativeDecode.build(model, ops)
+    kv_heads = pctx.shard(spec.num_kv_heads, "num_key_value_heads")
+    kv = allocate_kv_cache(spec, num_blocks, config.block_size, kv_heads, dtype, device)
+    return faults.wrap_model_runner(ModelRunner(model, kv, config.block_size, device, config.seed, ops.argmax))
+
+
 class ModelRunner:
+    """The single-process executor (and each TP rank's runner): implements ``executor.Executor``."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -54,7 +93,6 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
-        layer_delays_s: dict[str, float] | None = None,
         argmax=None,
     ):
         self.model = model
@@ -62,8 +100,19 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(device, seed, argmax)
-        self.layer_delays_s = layer_delays_s or {}
+        self.layer_delays_s: dict[str, float] = {}  # forward row -> seconds added inside it (model.layer_delay)
         self._sync = torch.cuda.synchronize if device.type == "cuda" else None
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's per-request state (its sampler generator)."""
+        self.sampler.forget(request_id)
+
+    def shutdown(self) -> None:
+        pass
 
     # ---- inputs ----
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:

@@ -1,13 +1,18 @@
-"""The engine's seam to probes: a small recorder interface, a no-op by default.
+"""The engine's seam to probes: small recorder interfaces, no-ops by default.
 
-The engine calls these at fixed points; ``layerscope.probes`` implements them. Nothing
-here allocates or formats when probes are off (``NullRecorder``).
+``Recorder``: what one engine replica reports (steps, request events, collectives).
+``GatewayRecorder``: what the gateway reports (its requests, its queue, its routing).
+The engine and the gateway call these at fixed points and import nothing of probes;
+``layerscope.probes`` implements them, and whoever assembles a run hands the gateway a
+``RecorderFactory`` (picklable: replica processes get it through spawn). Nothing here
+allocates or formats when probes are off (``NullRecorder``, ``NullRecorders``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 if TYPE_CHECKING:
     from layerscope.engine.request import Request, RequestEvent
@@ -53,11 +58,32 @@ class CollectiveRecord:
     name: str = ""  # layer row that issued it
 
 
-class Recorder:
-    """No-op base; probes override what they record."""
+class RunRecorder:
+    """The run lifecycle both recorders share (no-ops)."""
 
-    enabled: bool = False
+    enabled: bool = False  # records anything at all
 
+    def configure(self, config=None, resolved=None) -> None:
+        """Take the engine's config (``EngineConfig``) and resolved record, for the manifest."""
+
+    def start(self) -> None:
+        """Mark the start of the recorded run."""
+
+    def stop(self) -> None:
+        """Mark its end (closes profiler windows and the like)."""
+
+    def export(self) -> dict[str, Any] | None:
+        """Everything recorded, as plain data another process can merge into a bundle (None: nothing)."""
+        return None
+
+    def shutdown(self) -> None:
+        """Release what the recorder holds; call after the bundle is written."""
+
+
+class Recorder(RunRecorder):
+    """One engine replica's recorder (no-op base); probes override what they record."""
+
+    # ---- engine steps (hot path) ----
     def should_time_layers(self, step_id: int) -> bool:
         return False
 
@@ -75,18 +101,84 @@ class Recorder:
 
     def step_context(self, step_id: int):
         """A context manager around one step's model execution (profiler windows)."""
-        return _NULL_CONTEXT
+        return NULL_CONTEXT
+
+    # ---- requests that came through a gateway ----
+    def set_traceparent(self, request_id: str, traceparent: str) -> None:
+        """W3C traceparent of ``request_id``: its spans join that trace."""
+
+    def set_request_timestamps(self, request_id: str, **fields: Any) -> None:
+        """Gateway columns of ``request_id`` (``gateway_arrival_ns=...``), as the gateway sent them."""
+
+    # ---- metrics ----
+    def metric_families(self, stats: Mapping[str, Any]) -> list:
+        """This replica's Prometheus families, engine gauges set from ``stats`` (``LLMEngine.stats()``,
+        the state now); pushed to the gateway, which exposes them. [] when there are none."""
+        return []
 
 
-class _NullContext:
-    def __enter__(self):
+@dataclass
+class GatewayRequest:
+    """One request the gateway is done with, as its recorder gets it."""
+
+    request_id: str
+    fields: dict[str, Any]  # requests-table columns the gateway owns: status, http_status, error, gateway_*_ns, replica
+    ttft_s: float | None = None  # None: no token reached the client
+    itl_s: list[float] = field(default_factory=list)
+    tpot_s: float | None = None
+    e2e_s: float | None = None  # None for aborted requests
+
+
+class GatewayRecorder(RunRecorder):
+    """The gateway's recorder (no-op base): its requests, admission queue and routing."""
+
+    def request_arrived(self, request_id: str, arrival_ns: int) -> str | None:
+        """A request reached the gateway; returns the traceparent its replica's spans join (or None)."""
         return None
 
-    def __exit__(self, *exc):
-        return False
+    def request_routed(self, replica: int) -> None:
+        pass
+
+    def request_refused(self, reason: str) -> None:
+        """Counted by reason: rejected (queue full), invalid, timeout, error."""
+
+    def queue_changed(self, num_waiting: int, num_active: int) -> None:
+        """The admission queue changed (requests waiting, requests admitted)."""
+
+    def request_done(self, request: GatewayRequest) -> None:
+        """The gateway answered the request (finished, failed or refused)."""
+
+    def metric_families(self) -> list:
+        """The gateway's own Prometheus families ([] when there are none)."""
+        return []
 
 
-_NULL_CONTEXT = _NullContext()
+class RecorderFactory(Protocol):
+    """Makes a serving run's recorders; picklable (replica processes receive it)."""
+
+    level: str  # off | default | full
+
+    def engine(self, replica: int, model_name: str) -> Recorder: ...
+
+    def gateway(self, model_name: str, keep_requests: bool) -> GatewayRecorder:
+        """``keep_requests``: keep every request's record for a bundle (a run, not a long-lived server)."""
+        ...
+
+
+@dataclass(frozen=True)
+class NullRecorders:
+    """Probes off: every recorder a no-op."""
+
+    level: str = "off"
+
+    def engine(self, replica: int, model_name: str) -> Recorder:
+        return Recorder()
+
+    def gateway(self, model_name: str, keep_requests: bool) -> GatewayRecorder:
+        return GatewayRecorder()
+
+
+NULL_CONTEXT = contextlib.nullcontext()
 NullRecorder = Recorder
 
 

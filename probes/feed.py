@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -20,8 +20,27 @@ from layerscope.probes.metrics import STEP_PHASES, MetricSet, observe_many
 from layerscope.probes.requests import _events
 
 if TYPE_CHECKING:
-    from layerscope.engine.recorder import CollectiveRecord
-    from layerscope.probes.recorder import ProbeRecorder
+    from layerscope.engine.recorder import CollectiveRecord, StepRecord
+
+
+class Recorded(NamedTuple):
+    """What a recorder recorded after a point: the feed's view of it."""
+
+    steps: "list[StepRecord]"
+    num_sampled: int  # output tokens sampled in those steps
+    layer_times: list[tuple[int, list[tuple[str, int]]]]  # (step_id, [(row, ns), ...]) per timed step
+
+
+class RecordSource(Protocol):
+    """What the feed reads of its recorder (``ProbeRecorder``)."""
+
+    num_steps: int
+
+    def recorded_since(self, num_steps: int, num_layer_samples: int) -> Recorded: ...
+
+    def step(self, index: int) -> "StepRecord": ...
+
+    def gateway_fields(self, request_id: str) -> dict[str, Any] | None: ...
 
 _PHASE_NS = tuple(f"{p}_ns" for p in STEP_PHASES)  # StepRecord fields, in STEP_PHASES order
 _REQUEST_HISTOGRAMS = {
@@ -38,7 +57,7 @@ _REQUEST_HISTOGRAMS = {
 class _FlushOnCollect:
     """Registered first in the recorder's registry: a scrape flushes the pending steps first."""
 
-    def __init__(self, feed: "MetricsFeed", recorder: "ProbeRecorder"):
+    def __init__(self, feed: "MetricsFeed", recorder: RecordSource):
         self.feed, self.recorder = feed, recorder
 
     def describe(self):
@@ -51,10 +70,10 @@ class _FlushOnCollect:
 
 class MetricsFeed:
     def __init__(self, registry: CollectorRegistry | None, model_name: str, replica: str | int, every_steps: int,
-                 recorder: "ProbeRecorder"):
+                 recorder: RecordSource):
         registry = registry if registry is not None else CollectorRegistry()
         registry.register(_FlushOnCollect(self, recorder))
-        self.metrics = m = MetricSet(registry, model_name, replica)
+        self.metrics = m = MetricSet(registry, model_name, replica, scope="replica")
         self.every_steps = max(1, every_steps)
         self._flushed = 0  # steps already fed
         self._layers_flushed = 0
@@ -74,11 +93,11 @@ class MetricsFeed:
         self._layer: dict[str, Any] = {}
 
     # ---- called by the recorder ----
-    def step_recorded(self, num_steps: int, idle: bool, recorder: "ProbeRecorder") -> None:
+    def step_recorded(self, num_steps: int, idle: bool, recorder: RecordSource) -> None:
         if idle or num_steps - self._flushed >= self.every_steps:
             self.flush(recorder)
 
-    def request_finished(self, st, idle: bool, recorder: "ProbeRecorder") -> None:
+    def request_finished(self, st, idle: bool, recorder: RecordSource) -> None:
         self._pending.append(st)
         if idle:  # the engine has nothing left: publish now, it may stay idle
             self.flush(recorder)
@@ -89,10 +108,16 @@ class MetricsFeed:
             m.child("layerscope_collective_seconds", r.op).observe(r.duration_ns * 1e-9)
             m.child("layerscope_collective_wait_seconds").observe(r.wait_ns * 1e-9)
 
+    def engine_state(self, stats) -> None:
+        """Set the engine gauges from ``LLMEngine.stats()`` (the state now)."""
+        self._running.set(stats["num_running"])
+        self._waiting.set(stats["num_waiting"])
+        self._kv.set(stats["kv_cache_usage"])
+
     def launch_gap_ratio(self, ratio: float) -> None:
         self.metrics.child("layerscope_launch_gap_ratio").set(ratio)
 
-    def flush(self, recorder: "ProbeRecorder") -> None:
+    def flush(self, recorder: RecordSource) -> None:
         """Feed the recorder's steps, layer times and finished requests recorded since the last flush."""
         with self._lock:
             finished = []
@@ -100,15 +125,13 @@ class MetricsFeed:
                 finished.append(self._pending.popleft())
             if finished:
                 self._requests(finished, recorder)
-            end = len(recorder._steps)
-            if self._flushed < end:
-                self._steps(recorder, end)
+            if self._flushed < recorder.num_steps:
+                self._steps(recorder.recorded_since(self._flushed, self._layers_flushed))
 
     # ---- feeding ----
-    def _steps(self, recorder: "ProbeRecorder", end: int) -> None:
-        steps = recorder._steps[self._flushed:end]
-        sampled = sum(recorder._sampled[self._flushed:end])
-        self._flushed = end
+    def _steps(self, new: Recorded) -> None:
+        steps, sampled = new.steps, new.num_sampled
+        self._flushed += len(steps)
         for child, attr in zip(self._phase, _PHASE_NS):
             observe_many(child, [getattr(st, attr) * 1e-9 for st in steps])
         observe_many(self._batch, [st.num_prefill_tokens + st.num_decode_tokens for st in steps])
@@ -126,26 +149,24 @@ class MetricsFeed:
         self._waiting.set(last.num_waiting)
         total = last.num_kv_blocks_total
         self._kv.set((total - last.num_kv_blocks_free) / total if total else 0.0)
-        layer_times = recorder._layer_times
-        for _, rows in layer_times[self._layers_flushed:]:
+        for _, rows in new.layer_times:
             for name, ns in rows:
                 child = self._layer.get(name)
                 if child is None:
                     child = self._layer[name] = self.metrics.child("layerscope_layer_forward_seconds", name)
                 child.observe(ns * 1e-9)
-        self._layers_flushed = len(layer_times)
+        self._layers_flushed += len(new.layer_times)
 
-    def _requests(self, finished: list, recorder: "ProbeRecorder") -> None:
+    def _requests(self, finished: list, recorder: RecordSource) -> None:
         """Request-level metrics of finished requests, one bulk update per histogram."""
         vals: dict[str, list[float]] = {k: [] for k in _REQUEST_HISTOGRAMS}
         success: dict[str, int] = {}
         prompt_tokens = 0
-        steps, outer_all = recorder._steps, recorder._outer
         for st in finished:
             info = st.info
             ev = _events(st.events)
             arrival, sched, first, fin = ev.get("arrival"), ev.get("scheduled"), ev.get("first_token"), ev.get("finished")
-            outer = outer_all.get(st.rid)
+            outer = recorder.gateway_fields(st.rid)
             # server-side latencies run from the gateway arrival when the gateway told us about it
             start = outer["gateway_arrival_ns"] if outer and outer.get("gateway_arrival_ns") else arrival
             reason = FINISH_REASON.get(info["status"], "abort")
@@ -169,7 +190,8 @@ class MetricsFeed:
                 vals["tpot"].append(tpot_s(e2e, ttft, n))
                 prev, itl = first, vals["itl"]
                 for i in st.sampled_idx[1:]:  # token times: the end of sampling in its step
-                    t = steps[i].end_ns - steps[i].output_ns
+                    step = recorder.step(i)
+                    t = step.end_ns - step.output_ns
                     itl.append(max(t - prev, 0) * 1e-9)
                     prev = t
         for key, values in vals.items():

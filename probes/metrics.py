@@ -143,6 +143,16 @@ def _check(defs: tuple[MetricDef, ...]) -> None:
 _check(METRICS)
 
 
+def exposed_by(m: MetricDef) -> str:
+    """Which process exposes ``m``: "gateway" (gateway layers), "replica" (engine layers) or "both"
+    (end-to-end request latencies and error counts, told apart by the ``replica`` label)."""
+    if m.layer.startswith("gateway."):
+        return "gateway"
+    if m.layer == REQUEST_LAYER or m.name == "layerscope_request_errors_total":
+        return "both"
+    return "replica"
+
+
 def iter_metrics(layer: str | None = None) -> Iterator[MetricDef]:
     """The registry's metrics, optionally only those of one layer, in declaration order."""
     return (m for m in METRICS if layer is None or m.layer == layer)
@@ -151,16 +161,22 @@ def iter_metrics(layer: str | None = None) -> Iterator[MetricDef]:
 class MetricSet:
     """The collectors of ``METRICS`` in one ``CollectorRegistry``, for one model/replica.
 
-    ``child(name, *extra)`` returns the labelled child with ``model_name``/``replica``
-    bound (cache it: ``labels()`` takes a lock and a dict lookup).
+    ``scope``: "gateway" or "replica" makes only the metrics that process exposes
+    (``exposed_by``); None makes all. ``child(name, *extra)`` returns the labelled child
+    with ``model_name``/``replica`` bound (cache it: ``labels()`` takes a lock and a dict lookup).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "", replica: str | int = 0):
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "", replica: str | int = 0,
+                 scope: str | None = None):
+        if scope not in (None, "gateway", "replica"):
+            raise ValueError(f"scope must be gateway, replica or None; got {scope!r}")
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         self.replica = str(replica)
         self.collectors: dict[str, Counter | Gauge | Histogram] = {}
         for m in METRICS:
+            if scope is not None and exposed_by(m) not in (scope, "both"):
+                continue
             # prometheus_client appends _total to counters itself
             name = m.name[: -len("_total")] if m.type == "counter" else m.name
             kw = {"registry": self.registry}
@@ -200,9 +216,10 @@ def observe_many(child, values: list[float]) -> None:
 
 
 def create_metrics(registry: CollectorRegistry | None = None, model_name: str = "",
-                   replica: str | int = 0) -> MetricSet:
-    """Create every registry metric's collector in ``registry`` (a fresh one if None)."""
-    return MetricSet(registry, model_name, replica)
+                   replica: str | int = 0, scope: str | None = None) -> MetricSet:
+    """Create the registry metrics' collectors in ``registry`` (a fresh one if None); ``scope``
+    as in ``MetricSet``."""
+    return MetricSet(registry, model_name, replica, scope)
 
 
 def merge_exposition(texts: list[str]) -> str:

@@ -167,11 +167,11 @@ class ProfilerWindows:
             pass
 
     def step_context(self, step_id: int):
-        from layerscope.engine.recorder import _NULL_CONTEXT
+        from layerscope.engine.recorder import NULL_CONTEXT
 
         if self._prof is None:
             if step_id < self._next_start or self.num_windows >= self.max_windows:
-                return _NULL_CONTEXT
+                return NULL_CONTEXT
             self._open(step_id)
         self._last_step = step_id
         return _StepRange(self, step_id)

@@ -12,26 +12,28 @@ batches (``feed.py``: every ``metrics_every_steps`` steps, when the engine goes
 idle, and before any scrape).
 
 Serving across processes: the gateway process runs a recorder with
-``replica="gateway"`` and calls ``gateway_begin``/``set_request_timestamps``/
-``gateway_end``; it passes the traceparent from ``gateway_begin`` and its own
-timestamps to the replica, whose recorder gets them through ``set_traceparent`` /
-``set_request_timestamps``. Each replica hands back ``export()`` (or writes
-``bundle.write_part``); ``BundleWriter`` merges everything on request_id. Call
-``configure(config, resolved)`` and ``start()``/``stop()`` around the run.
+``replica="gateway"`` (``serving.GatewayProbeRecorder``, the engine's GatewayRecorder
+seam, calls ``gateway_begin``/``set_request_timestamps``/``gateway_end``); it passes
+the traceparent from ``gateway_begin`` and its own timestamps to the replica, whose
+recorder gets them through ``set_traceparent`` / ``set_request_timestamps``. Each
+replica hands back ``export()`` (or writes ``bundle.write_part``); ``BundleWriter``
+merges everything on request_id. Call ``configure(config, resolved)`` and
+``start()``/``stop()`` around the run. The metric set holds only what this process
+exposes (``metrics.exposed_by``): gateway metrics in the gateway, engine ones here.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import pyarrow as pa
 
-from layerscope.engine.recorder import _NULL_CONTEXT, CollectiveRecord, Recorder, StepRecord
+from layerscope.engine.recorder import CollectiveRecord, Recorder, StepRecord
 from layerscope.probes import schema
-from layerscope.probes.feed import MetricsFeed
-from layerscope.probes.metrics import GATEWAY_REPLICA
+from layerscope.probes.feed import MetricsFeed, Recorded
+from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
 from layerscope.probes.requests import OUTER_FIELDS, Phase, engine_row, finalize_row, gateway_phases
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
@@ -104,8 +106,11 @@ class ProbeRecorder(Recorder):
             self.metrics = None
             self.tracer = None
             return
-        self._feed = MetricsFeed(registry, model_name, replica, metrics_every_steps, self)
-        self.metrics = self._feed.metrics
+        if replica == GATEWAY_REPLICA:  # no engine steps here: the gateway's metrics, no feed
+            self.metrics = create_metrics(registry, model_name, replica, scope="gateway")
+        else:
+            self._feed = MetricsFeed(registry, model_name, replica, metrics_every_steps, self)
+            self.metrics = self._feed.metrics
         self.tracer = RequestTracer("layerscope", replica, otlp)
         if level == "full":
             import tempfile
@@ -164,7 +169,7 @@ class ProbeRecorder(Recorder):
 
     def step_context(self, step_id: int):
         prof = self.profiler
-        return prof.step_context(step_id) if prof is not None else _NULL_CONTEXT
+        return prof.step_context(step_id) if prof is not None else super().step_context(step_id)
 
     def on_request_events(self, request, events) -> None:
         if not self.enabled:
@@ -195,7 +200,8 @@ class ProbeRecorder(Recorder):
         self._sampled.append(sampled)
         if layer_times:
             self._layer_times.append((step.step_id, layer_times))
-        self._feed.step_recorded(len(self._steps), not (step.num_running or step.num_waiting), self)
+        if self._feed is not None:
+            self._feed.step_recorded(len(self._steps), not (step.num_running or step.num_waiting), self)
 
     def flush_metrics(self) -> None:
         """Put what was recorded since the last flush into Prometheus (the step loop does every
@@ -211,7 +217,8 @@ class ProbeRecorder(Recorder):
         for r in records:
             if r.rank == 0:
                 coll[r.step_id] = coll.get(r.step_id, 0) + r.duration_ns
-        self._feed.collectives(records)
+        if self._feed is not None:
+            self._feed.collectives(records)
 
     def on_request_finished(self, request) -> None:
         if not self.enabled:
@@ -229,7 +236,8 @@ class ProbeRecorder(Recorder):
         }
         st.req = None
         self._done.append(st)
-        self._feed.request_finished(st, idle=not self._live, recorder=self)
+        if self._feed is not None:
+            self._feed.request_finished(st, idle=not self._live, recorder=self)
         if self.tracer.otlp:  # a live collector wants spans now, not at bundle write
             self._build(st)
 
@@ -251,45 +259,12 @@ class ProbeRecorder(Recorder):
             return
         self._outer.setdefault(request_id, {}).update(fields)
 
-    def gateway_begin(self, request_id: str, arrival_ns: int | None = None, traceparent: str | None = None) -> str:
-        """The gateway got ``request_id``: open its root span; return the traceparent to hand to the replica."""
-        arrival_ns = arrival_ns if arrival_ns is not None else time.monotonic_ns()
-        self.set_request_timestamps(request_id, gateway_arrival_ns=arrival_ns)
-        if not self.enabled:
-            return traceparent or ""
-        tp = self.tracer.open_root(request_id, "request", arrival_ns, traceparent)
-        self._traceparents[request_id] = tp  # the engine's spans (if it runs here) join this trace
-        return tp
-
-    def gateway_end(self, request_id: str, status: str | None = None, http_status: int | None = None,
-                    error: str | None = None, **timestamps: Any) -> None:
-        """The gateway is done with ``request_id``: close its trace, count it in the gateway metrics."""
-        fields = {k: v for k, v in dict(status=status, http_status=http_status, error=error).items() if v is not None}
-        self.set_request_timestamps(request_id, **fields, **timestamps)
-        if not self.enabled:
-            return
-        row = {"request_id": request_id, **self._outer[request_id]}
-        end = row.get("gateway_finished_ns") or time.monotonic_ns()
-        trace_id = self.tracer.close_root(request_id, end, gateway_phases(row),
-                                          {"http_status": http_status or 0, "status": status or ""})
-        if trace_id is not None:
-            self._gateway_traces[request_id] = trace_id
-        m = self.metrics
-        if http_status is not None:
-            m.child("layerscope_gateway_requests_total", str(http_status)).inc()
-        if row.get("gateway_admitted_ns") and row.get("gateway_arrival_ns"):
-            m.child("layerscope_gateway_queue_time_seconds").observe(
-                (row["gateway_admitted_ns"] - row["gateway_arrival_ns"]) * 1e-9)
-
     # ---- building the tables (off the hot path) ---------------------------------------------
-    def _collective_ns(self) -> dict[int, int]:
-        return self._coll_ns
-
     def _build(self, st: _Req, coll: dict[int, int] | None = None) -> None:
         """The request's engine row and its trace (once per request)."""
         rid = st.rid
         row, phases, _ = engine_row(rid, self._replica_col, st.info, st.events, self._steps, st.step_idx,
-                                    st.sampled_idx, coll if coll is not None else self._collective_ns())
+                                    st.sampled_idx, coll if coll is not None else self._coll_ns)
         view = _fill(dict(row), self._outer.get(rid, {}))
         tp = self._traceparents.get(rid)  # from the gateway (this process's gateway_begin, or another's)
         if tp is None and rid in self._outer:
@@ -311,7 +286,7 @@ class ProbeRecorder(Recorder):
         """
         if not self.enabled:
             return []
-        coll = self._collective_ns()
+        coll = self._coll_ns
         rows: dict[str, dict[str, Any]] = {}
         for st in self._done:
             if st.row is None:
@@ -333,16 +308,19 @@ class ProbeRecorder(Recorder):
         spans = self.tracer.rows if self.tracer is not None else []
         return {
             "requests": pa.Table.from_pylist(req_rows, schema=schema.REQUESTS),
-            "steps": steps_table(self._steps, rep, self._collective_ns()),
+            "steps": steps_table(self._steps, rep, self._coll_ns),
             "layers": layers_table(self._layer_times, rep),
             "kernels": rows_table(kernels, schema.KERNELS),
             "collectives": collectives_table(self._collectives, rep),
             "spans": rows_table(spans, schema.SPANS),
         }
 
-    def export(self) -> dict[str, Any]:
+    def export(self) -> dict[str, Any] | None:
         """Everything recorded, as plain data for another process's ``BundleWriter.add_export``
-        (tables as Arrow IPC bytes, request rows not finalized, metrics text, trace files' bytes)."""
+        (tables as Arrow IPC bytes, request rows not finalized, metrics text, trace files' bytes);
+        None when off (nothing recorded)."""
+        if not self.enabled:
+            return None
         from layerscope.probes.bundle import make_export
 
         return make_export(self)
@@ -363,7 +341,32 @@ class ProbeRecorder(Recorder):
         return sorted(p for p in self.trace_dir.iterdir() if p.is_file())
 
     def _on_window(self, ratio: float) -> None:
-        self._feed.launch_gap_ratio(ratio)
+        if self._feed is not None:
+            self._feed.launch_gap_ratio(ratio)
+
+    # ---- what the metrics feed reads (feed.RecordSource) ----------------------------------------
+    def recorded_since(self, num_steps: int, num_layer_samples: int) -> Recorded:
+        """Steps after the first ``num_steps``, the tokens sampled in them, and layer-time samples after
+        the first ``num_layer_samples``."""
+        return Recorded(self._steps[num_steps:], sum(self._sampled[num_steps:]), self._layer_times[num_layer_samples:])
+
+    def step(self, index: int) -> StepRecord:
+        """The ``index``-th recorded step (0-based, in recording order)."""
+        return self._steps[index]
+
+    def gateway_fields(self, request_id: str) -> dict[str, Any] | None:
+        """The gateway's fields of ``request_id`` (``set_request_timestamps``), or None."""
+        return self._outer.get(request_id)
+
+    def metric_families(self, stats: Mapping[str, Any]) -> list:
+        """This replica's Prometheus families, pending updates fed and the engine gauges set from
+        ``stats`` (the state now, which may be newer than the last step's)."""
+        if self.metrics is None:
+            return []
+        if self._feed is not None:
+            self._feed.flush(self)
+            self._feed.engine_state(stats)
+        return list(self.metrics.registry.collect())
 
     @property
     def num_steps(self) -> int:

@@ -197,17 +197,18 @@ def execute_run(args: argparse.Namespace) -> Path:
     """Serve, load, stop, write one bundle. Returns the bundle path."""
     from layerscope.engine.gateway.cli import build_gateway
     from layerscope.engine.gateway.server import serving
+    from layerscope.probes.serving import recorders
     from layerscope.regressions.loadgen import run_load, server_in_process
 
     spec = workload_from_args(args)
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
-    recorder_kwargs = None
+    recorder_kwargs = {}
     if args.profile:
         args.probes = "full"
         recorder_kwargs = PROFILES[args.profile]
-    gateway = build_gateway(args, record=True, recorder_kwargs=recorder_kwargs)
+    gateway = build_gateway(args, record=True, recorders=recorders(args.probes, **recorder_kwargs))
     with serving(gateway, args.startup_timeout) as url:
         requests = spec.build(gateway.tokenizer)
         with server_in_process():

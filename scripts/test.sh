@@ -6,6 +6,8 @@ bash scripts/setup.sh --system
 export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 report=$(mktemp --suffix=.xml)
 rc=0
+# the import contracts (.importlinter) first: a broken contract fails the run (pytest still runs)
+bash scripts/lint_imports.sh || rc=$?
 .venv/bin/python -m pytest -q --junitxml="$report" "$@" || rc=$?
 # pytest's own closing line goes missing in some full runs here; print the plain
 # "N passed, N failed" closing line from the JUnit report so it is always there.

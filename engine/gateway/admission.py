@@ -3,8 +3,8 @@
 At most ``max_concurrency`` requests are admitted to the engines at once; up to
 ``max_queue`` more wait, first come first served; beyond that the gateway refuses
 at once (HTTP 429 with Retry-After) rather than letting a client hang. The
-``gateway.delay_ms`` fault is spent inside the wait, so it shows up where a slow
-admission path would: between gateway arrival and admission.
+``gateway.delay_ms`` fault (``faults.py`` sets ``delay_s``) is spent inside the wait,
+so it shows up where a slow admission path would: between gateway arrival and admission.
 
 Runs on the gateway's event loop only (not thread-safe).
 """
@@ -21,13 +21,12 @@ class QueueFullError(Exception):
 
 
 class AdmissionController:
-    def __init__(self, max_concurrency: int, max_queue: int, delay_s: float = 0.0,
-                 on_change: Callable[[], None] | None = None):
+    def __init__(self, max_concurrency: int, max_queue: int, on_change: Callable[[], None] | None = None):
         """``on_change()`` is called whenever ``num_active`` or ``num_waiting`` changed (gauges)."""
         self.max_concurrency = max_concurrency
         self.on_change = on_change or (lambda: None)
         self.max_queue = max_queue
-        self.delay_s = delay_s
+        self.delay_s = 0.0  # time on the admission path before a slot, counted as queued (a fault)
         self.num_active = 0  # admitted and not released
         self.num_delayed = 0  # inside the injected delay; they count as queued
         self.num_rejected = 0

@@ -1,11 +1,10 @@
-"""``layerscope serve``: the OpenAI-compatible server (registered by ``layerscope.cli``)."""
+"""The engine/gateway command-line options shared by ``serve`` and ``run``, and the Gateway they describe."""
 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
-import sys
+
+from layerscope.engine.recorder import RecorderFactory
 
 PROBE_LEVELS = ("off", "default", "full")
 
@@ -20,8 +19,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probes", default="default", choices=PROBE_LEVELS, help="what to record")
 
 
-def build_gateway(args: argparse.Namespace, record: bool, recorder_kwargs: dict | None = None):
-    """EngineConfig + Faults from the command line, and a Gateway (not started yet)."""
+def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFactory | None = None):
+    """EngineConfig + Faults from the command line, and a Gateway (not started yet): a bad ``--set`` or
+    ``--fault`` (or one this run cannot have) is an error here, before anything starts.
+
+    ``recorders``: the run's probes (``layerscope.probes.serving.recorders(args.probes)``); None: off.
+    """
     from layerscope.engine.config import EngineConfig, parse_set_args
     from layerscope.engine.faults import Faults
     from layerscope.engine.gateway.gateway import Gateway
@@ -32,33 +35,5 @@ def build_gateway(args: argparse.Namespace, record: bool, recorder_kwargs: dict 
         overrides["tp_size"] = args.tp
     config = EngineConfig.from_overrides(**overrides)
     faults = Faults.parse(args.fault)
-    return Gateway(config, faults, num_replicas=args.replicas, probes=args.probes,
-                   served_model_name=getattr(args, "served_model_name", None), record=record,
-                   recorder_kwargs=recorder_kwargs)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from layerscope.engine.gateway.server import serve
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    gateway = build_gateway(args, record=False)
-    try:
-        print(f"layerscope serve: starting {args.replicas} replica(s) of {args.model} ...", file=sys.stderr, flush=True)
-        gateway.start(timeout_s=args.startup_timeout)
-        serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True))
-    finally:
-        gateway.shutdown()
-    return 0
-
-
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
-    add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (printed)")
-    p.add_argument("--api-key", default=os.environ.get("LAYERSCOPE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $LAYERSCOPE_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the --model path)")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the replicas to load")
-    p.set_defaults(func=cmd_serve)
+    return Gateway(config, faults, num_replicas=args.replicas, recorders=recorders,
+                   served_model_name=getattr(args, "served_model_name", None), record=record)

@@ -6,6 +6,10 @@ reader threads hop onto that loop with ``call_soon_threadsafe`` and drop each to
 delta into its request's ``asyncio.Queue``. Nothing here parses HTTP: ``server.py``
 does, and calls ``tokenize`` / ``submit`` / ``close``.
 
+Probes are reached only through the engine's recorder seam: the gateway's own
+``GatewayRecorder`` and, in each replica, a ``Recorder``, both made by the
+``RecorderFactory`` the caller hands in (no-ops by default: probes off).
+
 Every hop is stamped with ``time.monotonic_ns()`` (one clock for every process on the
 host) in a ``GatewayRecord``: gateway arrival, admitted, routed (handed to the replica's
 queue), engine arrival (stamped by the replica), first token and finish as the HTTP
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import time
@@ -25,13 +30,25 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from layerscope.contract import STATUS_OF_FINISH_REASON
-from layerscope.engine.config import EngineConfig
+from layerscope.engine.config import ConfigError, EngineConfig
 from layerscope.engine.faults import Faults
 from layerscope.engine.gateway.admission import AdmissionController, QueueFullError
+from layerscope.engine.gateway.messages import (
+    AbortRequest,
+    AddRequest,
+    CollectRecords,
+    Exited,
+    Fatal,
+    MetricsSnapshot,
+    Outputs,
+    Records,
+    RequestError,
+)
 from layerscope.engine.gateway.protocol import APIError
 from layerscope.engine.gateway.records import GatewayRecord, RequestStream
 from layerscope.engine.gateway.replica import ReplicaClient
 from layerscope.engine.gateway.router import Router
+from layerscope.engine.recorder import GatewayRequest, NullRecorders, RecorderFactory
 from layerscope.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,17 +67,33 @@ def load_gateway_tokenizer(model_dir: str | Path):
     return load_tokenizer(model_dir)
 
 
+def num_model_layers(model_dir: str | Path) -> int | None:
+    """``num_hidden_layers`` from the checkpoint's config.json, read without torch (None if absent)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return int(json.loads(path.read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class Gateway:
     """Admission, routing and the replica processes behind one OpenAI-compatible endpoint."""
 
     def __init__(self, config: EngineConfig, faults: Faults | None = None, num_replicas: int = 1,
-                 probes: str = "default", served_model_name: str | None = None, record: bool = True,
-                 recorder_kwargs: dict[str, Any] | None = None):
-        """``probes``: off | default | full, for the gateway's recorder and every replica's;
-        ``record``: keep a GatewayRecord per request in ``records`` (a run; not a long-lived
-        server); ``recorder_kwargs``: passed to each ProbeRecorder (profiler/py-spy knobs)."""
+                 recorders: RecorderFactory | None = None, served_model_name: str | None = None,
+                 record: bool = True):
+        """``recorders``: makes the gateway's recorder and every replica's (``probes.serving.recorders``;
+        None: probes off); ``record``: keep a GatewayRecord per request in ``records`` and every
+        request's probes record (a run; not a long-lived server).
+
+        Faults are checked against this run (replicas, TP, the model's rows) before anything starts.
+        """
         if num_replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
+        if not Path(config.model).is_dir():
+            raise ConfigError(f"--model {config.model!r} is not a directory (a Hugging Face-format checkpoint)")
+        self.faults = faults or Faults()
+        self.faults.check(tp_size=config.tp_size, num_replicas=num_replicas, num_layers=num_model_layers(config.model))
         if config.num_threads == 0 and config.device != "cuda":
             # replicas share the host's cores with each other and with this process (HTTP, and the
             # load generator under `run`): one intra-op thread per core each would oversubscribe
@@ -69,16 +102,16 @@ class Gateway:
             threads = max(1, ((os.cpu_count() or 1) - 1) // (num_replicas * config.tp_size))
             config = EngineConfig.from_overrides(config, num_threads=threads)
         self.config = config
-        self.faults = faults or Faults()
-        self.probes = probes
+        recorders = recorders or NullRecorders()
+        self.probes = recorders.level
         self.model_name = served_model_name or config.model
         self.record = record
         self.tokenizer = load_gateway_tokenizer(config.model)
-        self.admission = AdmissionController(config.gateway.max_concurrency, config.gateway.max_queue,
-                                             self.faults.gateway_delay_ms / 1000.0, self._update_queue_gauges)
-        self.router = Router(config.router_policy, num_replicas, config.block_size, self.faults.router_skew,
-                             seed=config.seed)
-        self.replicas = [ReplicaClient(i, config, self.faults, probes, self.model_name, recorder_kwargs)
+        self.admission = self.faults.wrap_admission(
+            AdmissionController(config.gateway.max_concurrency, config.gateway.max_queue, self._update_queue_gauges))
+        self.router = self.faults.wrap_router(Router(config.router_policy, num_replicas, config.block_size),
+                                              seed=config.seed)
+        self.replicas = [ReplicaClient(i, config, self.faults, recorders, self.model_name)
                          for i in range(num_replicas)]
         self.num_in_flight = [0] * num_replicas
         self.records: list[GatewayRecord] = []
@@ -91,20 +124,10 @@ class Gateway:
         self._collect: dict[int, concurrent.futures.Future] = {}
         self._started = False
         self._stopping = False
-        from layerscope.engine.gateway.replica import make_recorder
-        from layerscope.probes.metrics import create_metrics
-
-        # the gateway's own recorder: its spans, its request fields, its metric set. It keeps
-        # everything until the run ends, so a long-lived server (record=False) runs without one.
-        # "full" adds profiler windows and py-spy, which are about engine steps: the gateway
-        # records at "default" (and so never imports torch)
-        gw_probes = "off" if not record or probes == "off" else "default"
-        self.recorder = make_recorder(gw_probes, "gateway", self.model_name)
+        # the gateway's own recorder: its metrics, and with ``record`` its spans and request fields
+        self.recorder = recorders.gateway(self.model_name, keep_requests=record)
         self.recording = self.recorder.enabled
-        if self.recording:
-            self.recorder.configure(config)
-        self.metrics = self.recorder.metrics if self.recording else create_metrics(model_name=self.model_name,
-                                                                                     replica="gateway")
+        self.recorder.configure(config)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, timeout_s: float = 300.0) -> None:
@@ -119,14 +142,13 @@ class Gateway:
         except Exception:
             self.shutdown()
             raise
-        self.max_model_len = min(i["max_model_len"] for i in infos)
-        self.vocab_size = infos[0]["resolved"]["vocab_size"]
-        self.resolved = [i["resolved"] for i in infos]
+        self.max_model_len = min(i.max_model_len for i in infos)
+        self.vocab_size = infos[0].resolved["vocab_size"]
+        self.resolved = [i.resolved for i in infos]
         for r in self.replicas:
             r.start_reader(self._on_message)
-        if self.recording:
-            self.recorder.configure(resolved=self.resolved[0])
-            self.recorder.start()
+        self.recorder.configure(resolved=self.resolved[0])
+        self.recorder.start()
         self._started = True
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
@@ -162,8 +184,7 @@ class Gateway:
         rec = GatewayRecord(f"{prefix}-{uuid.uuid4().hex[:24]}", api, stream, time.monotonic_ns(), session_id)
         if self.record:
             self.records.append(rec)
-        if self.recording:
-            rec.traceparent = self.recorder.gateway_begin(rec.request_id, rec.gateway_arrival_ns)
+        rec.traceparent = self.recorder.request_arrived(rec.request_id, rec.gateway_arrival_ns)
         return rec
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -196,13 +217,10 @@ class Gateway:
         try:
             await self.admission.acquire()
         except QueueFullError as e:
-            self.metrics.child("layerscope_request_errors_total", "rejected").inc()
+            self.recorder.request_refused("rejected")
             raise APIError(429, str(e), type="rate_limit_exceeded", code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.config.gateway.retry_after_s)}) from None
         rec.gateway_admitted_ns = time.monotonic_ns()
-        if not self.recording:  # the recorder's gateway_end observes it otherwise
-            self.metrics.child("layerscope_gateway_queue_time_seconds").observe(
-                (rec.gateway_admitted_ns - rec.gateway_arrival_ns) / 1e9)
         try:
             alive = [r.alive for r in self.replicas]
             if not any(alive):
@@ -215,14 +233,14 @@ class Gateway:
         rec.replica = idx
         self._streams[rec.request_id] = stream
         self.num_in_flight[idx] += 1
-        self.metrics.collectors["layerscope_router_requests_total"].labels(self.model_name, str(idx)).inc()
+        self.recorder.request_routed(idx)
         timeout = self.config.gateway.request_timeout_s
         stream.timer = asyncio.get_running_loop().call_later(timeout, self._timeout, stream, timeout)
         rec.gateway_routed_ns = time.monotonic_ns()
-        self.replicas[idx].send(("add", rec.request_id, token_ids, params, rec.traceparent,
-                                 {"gateway_arrival_ns": rec.gateway_arrival_ns,
-                                  "gateway_admitted_ns": rec.gateway_admitted_ns,
-                                  "gateway_routed_ns": rec.gateway_routed_ns}))
+        self.replicas[idx].send(AddRequest(rec.request_id, token_ids, params, rec.traceparent,
+                                           {"gateway_arrival_ns": rec.gateway_arrival_ns,
+                                            "gateway_admitted_ns": rec.gateway_admitted_ns,
+                                            "gateway_routed_ns": rec.gateway_routed_ns}))
         return stream
 
     def close(self, stream: RequestStream, http_status: int, error: str | None = None) -> None:
@@ -242,7 +260,7 @@ class Gateway:
         if not stream.engine_done and rec.replica is not None:
             replica = self.replicas[rec.replica]
             if replica.alive:
-                replica.send(("abort", rec.request_id))
+                replica.send(AbortRequest(rec.request_id))
             rec.finish_reason = "abort"
         rec.status = "error" if error and rec.finish_reason != "abort" else STATUS_OF_FINISH_REASON.get(rec.finish_reason, "error")
         rec.error = error
@@ -250,7 +268,7 @@ class Gateway:
         if rec.replica is not None:
             self.num_in_flight[rec.replica] -= 1
         self.admission.release()
-        self._observe(rec)
+        self._end_record(rec, latencies=True)
 
     def reject(self, rec: GatewayRecord, err: APIError) -> None:
         """Record a request refused before it reached an engine (4xx/5xx)."""
@@ -262,39 +280,25 @@ class Gateway:
         else:
             rec.status = "rejected" if err.status == 429 else "error"
             if err.status != 429:
-                kind = "invalid" if err.status < 500 else "error"
-                self.metrics.child("layerscope_request_errors_total", kind).inc()
-        self._end_record(rec)
+                self.recorder.request_refused("invalid" if err.status < 500 else "error")
+        self._end_record(rec, latencies=False)
 
-    def _end_record(self, rec: GatewayRecord) -> None:
-        """Hand the finished record to the gateway recorder (spans, its metrics), else count it."""
-        if self.recording:
-            self.recorder.gateway_end(
-                rec.request_id, status=rec.status, http_status=rec.http_status, error=rec.error,
-                **{k: getattr(rec, k) for k in ("gateway_admitted_ns", "gateway_routed_ns", "gateway_first_token_ns",
-                                                "gateway_finished_ns", "replica") if getattr(rec, k) is not None})
-        else:
-            self.metrics.child("layerscope_gateway_requests_total", str(rec.http_status)).inc()
-
-    def _observe(self, rec: GatewayRecord) -> None:
-        self._end_record(rec)
-        m = self.metrics
-        if rec.ttft_s is not None:
-            m.child("layerscope_time_to_first_token_seconds").observe(rec.ttft_s)
-            itl = m.child("layerscope_inter_token_latency_seconds")
-            for gap in rec.itl_s:
-                itl.observe(gap)
-            if rec.tpot_s is not None:
-                m.child("layerscope_time_per_output_token_seconds").observe(rec.tpot_s)
-            if rec.e2e_s is not None and rec.status != "finished_aborted":
-                m.child("layerscope_e2e_request_latency_seconds").observe(rec.e2e_s)
+    def _end_record(self, rec: GatewayRecord, latencies: bool) -> None:
+        """Hand the finished record to the gateway recorder (request fields, spans, metrics)."""
+        fields = {k: getattr(rec, k) for k in ("status", "http_status", "error", "gateway_arrival_ns",
+                                               "gateway_admitted_ns", "gateway_routed_ns", "gateway_first_token_ns",
+                                               "gateway_finished_ns", "replica") if getattr(rec, k) is not None}
+        done = GatewayRequest(rec.request_id, fields)
+        if latencies and rec.ttft_s is not None:
+            done.ttft_s, done.itl_s, done.tpot_s = rec.ttft_s, rec.itl_s, rec.tpot_s
+            done.e2e_s = rec.e2e_s if rec.status != "finished_aborted" else None
+        self.recorder.request_done(done)
 
     def _update_queue_gauges(self) -> None:
-        self.metrics.child("layerscope_gateway_queue_length").set(self.admission.num_waiting)
-        self.metrics.child("layerscope_gateway_inflight_requests").set(self.admission.num_active)
+        self.recorder.queue_changed(self.admission.num_waiting, self.admission.num_active)
 
     def _timeout(self, stream: RequestStream, timeout_s: float) -> None:
-        self.metrics.child("layerscope_request_errors_total", "timeout").inc()
+        self.recorder.request_refused("timeout")
         self._fail(stream, APIError(504, f"the request did not finish within gateway.request_timeout_s="
                                          f"{timeout_s:g} s", type="server_error", code="timeout"))
 
@@ -302,43 +306,41 @@ class Gateway:
         stream.queue.put_nowait(err)
 
     # ---- replica messages ---------------------------------------------------------------------
-    def _on_message(self, idx: int, msg: tuple) -> None:
+    def _on_message(self, idx: int, msg: object) -> None:
         """Runs on a replica's reader thread."""
-        kind = msg[0]
-        if kind == "metrics":
-            self.replica_families[idx] = msg[1]
-            self.replica_stats[idx] = msg[2]
-        elif kind == "records":
+        if isinstance(msg, MetricsSnapshot):
+            self.replica_families[idx] = msg.families
+            self.replica_stats[idx] = msg.stats
+        elif isinstance(msg, Records):
             fut = self._collect.pop(idx, None)
             if fut is not None:
-                fut.set_result(msg[1])
+                fut.set_result(msg.export)
         elif self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, idx, msg)
             except RuntimeError:  # the loop closed meanwhile (shutdown)
                 pass
-        if kind in ("fatal", "exit"):
+        if isinstance(msg, (Fatal, Exited)):
             if not self._stopping:
-                logger.error("%s", msg[1] if kind == "fatal" else f"replica {idx} exited")
+                logger.error("%s", msg.message if isinstance(msg, Fatal) else f"replica {idx} exited")
             fut = self._collect.pop(idx, None)
             if fut is not None:
                 fut.set_result(None)
 
-    def _dispatch(self, idx: int, msg: tuple) -> None:
+    def _dispatch(self, idx: int, msg: object) -> None:
         """Runs on the event loop."""
-        kind = msg[0]
-        if kind == "out":
+        if isinstance(msg, Outputs):
             streams = self._streams
-            for d in msg[1]:
+            for d in msg.deltas:
                 s = streams.get(d.request_id)
                 if s is not None:  # else: aborted meanwhile
                     s.queue.put_nowait(d)
-        elif kind == "error":
-            s = self._streams.get(msg[1])
+        elif isinstance(msg, RequestError):
+            s = self._streams.get(msg.request_id)
             if s is not None:
                 s.engine_done = True  # never added
-                self._fail(s, APIError(400, msg[2]))
-        elif kind in ("fatal", "exit"):
+                self._fail(s, APIError(400, msg.message))
+        elif isinstance(msg, (Fatal, Exited)):
             for s in list(self._streams.values()):
                 if s.record.replica == idx:
                     s.engine_done = True
@@ -351,7 +353,7 @@ class Gateway:
         for r in self.replicas:
             if r.alive:
                 futs[r.index] = self._collect[r.index] = concurrent.futures.Future()
-                r.send(("collect",))
+                r.send(CollectRecords())
         out: list[Any] = [None] * len(self.replicas)
         for i, fut in futs.items():
             try:
@@ -367,5 +369,5 @@ class Gateway:
         from layerscope.engine.gateway.exposition import MergedCollector
 
         reg = CollectorRegistry(auto_describe=False)
-        reg.register(MergedCollector(self.metrics.registry, self.replica_families))
+        reg.register(MergedCollector(self.recorder.metric_families, self.replica_families))
         return generate_latest(reg)

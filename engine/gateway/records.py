@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 
 from layerscope.contract import RequestTimes, interval_s
 from layerscope.engine.gateway.protocol import APIError
-from layerscope.engine.gateway.replica import TokenDelta
+from layerscope.engine.gateway.messages import TokenDelta
 
 
 @dataclass

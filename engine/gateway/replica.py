@@ -11,11 +11,8 @@ Parent side (``ReplicaClient``): owns the process and its two queues; a reader t
 hands every message to a callback (the gateway dispatches it onto its event loop).
 ``multiprocessing.Queue.put`` never blocks the caller (a feeder thread writes the pipe).
 
-Messages (tuples, first item the kind):
-  parent -> child: ("add", rid, prompt_token_ids, SamplingParams, traceparent | None, gateway fields),
-                   ("abort", rid), ("collect",), ("shutdown",)
-  child -> parent: ("ready", info), ("out", [TokenDelta, ...]), ("error", rid, message),
-                   ("metrics", families, stats), ("records", payload), ("fatal", message), ("exit",)
+Messages: the dataclasses of ``messages.py``. The replica makes its recorder from the
+run's ``RecorderFactory`` and talks to it only through the engine's recorder seam.
 """
 
 from __future__ import annotations
@@ -28,95 +25,31 @@ import signal
 import threading
 import time
 import traceback
-from typing import Any, Callable, NamedTuple
+from typing import Callable
+
+from layerscope.engine.faults import Faults
+from layerscope.engine.gateway.messages import (
+    AbortRequest,
+    AddRequest,
+    CollectRecords,
+    Exited,
+    Fatal,
+    MetricsSnapshot,
+    Outputs,
+    Ready,
+    Records,
+    RequestError,
+    Shutdown,
+    TokenDelta,
+)
+from layerscope.engine.recorder import Recorder, RecorderFactory
 
 logger = logging.getLogger(__name__)
 
 METRICS_INTERVAL_S = 0.5
 
 
-class TokenDelta(NamedTuple):
-    """One request's output from one engine step (one token), as sent to the gateway."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    engine_arrival_ns: int
-    engine_first_token_ns: int | None
-    engine_finished_ns: int | None
-    num_preemptions: int
-    text: str | None = None  # the whole output text, on the finished delta only (stop strings cut it)
-
-
 # ---- child process ------------------------------------------------------------------------------
-def make_recorder(probes: str, replica: int | str, model_name: str, **kwargs: Any):
-    """This process's recorder: probes' ProbeRecorder, or the engine's no-op one when probes are off.
-
-    ``kwargs`` go to ProbeRecorder (``pyspy=False``, ``profile_max_windows=0``, ...).
-    """
-    from layerscope.engine.recorder import Recorder
-
-    if probes == "off":
-        return Recorder()
-    from layerscope.probes.recorder import ProbeRecorder
-
-    return ProbeRecorder(probes, replica=replica, model_name=model_name, **kwargs)
-
-
-class _EngineMetrics:
-    """Keeps the registry's engine gauges current from ``engine.stats()``; when the recorder
-    has no metric set of its own (probes off), also the counters it would keep."""
-
-    def __init__(self, recorder, model_name: str, replica: int):
-        from layerscope.probes.metrics import create_metrics
-
-        own = getattr(recorder, "metrics", None)
-        # the recorder batches its Prometheus updates: flush before every snapshot
-        self._flush = getattr(recorder, "flush_metrics", None) if own is not None else None
-        self.owns_counters = own is None
-        self.metrics = own if own is not None else create_metrics(model_name=model_name, replica=replica)
-        self._last: dict[str, Any] = {}
-        self._g = {k: self.metrics.child(k) for k in ("layerscope_num_requests_running",
-                                                      "layerscope_num_requests_waiting",
-                                                      "layerscope_kv_cache_usage_perc")}
-
-    def snapshot(self, stats: dict[str, Any]) -> list:
-        """The registry's families with the recorder's pending updates in and the gauges set
-        from ``stats`` (the state now, which may be newer than the last step's)."""
-        if self._flush is not None:
-            self._flush()
-        self.update(stats)
-        return list(self.metrics.registry.collect())
-
-    def update(self, stats: dict[str, Any]) -> None:
-        self._g["layerscope_num_requests_running"].set(stats["num_running"])
-        self._g["layerscope_num_requests_waiting"].set(stats["num_waiting"])
-        self._g["layerscope_kv_cache_usage_perc"].set(stats["kv_cache_usage"])
-        if self.owns_counters:
-            for key, name in (("num_prefix_queries", "layerscope_prefix_cache_queries_total"),
-                              ("num_prefix_hits", "layerscope_prefix_cache_hits_total"),
-                              ("num_preemptions", "layerscope_num_preemptions_total")):
-                delta = stats[key] - self._last.get(key, 0)
-                if delta > 0:
-                    self.metrics.child(name).inc(delta)
-        self._last = dict(stats)
-
-    def on_finished(self, d: TokenDelta) -> None:
-        if self.owns_counters and d.finish_reason:
-            self.metrics.child("layerscope_request_success_total", d.finish_reason).inc()
-            self.metrics.child("layerscope_prompt_tokens_total").inc(d.num_prompt_tokens)
-
-    def on_tokens(self, n: int) -> None:
-        if self.owns_counters and n:
-            self.metrics.child("layerscope_generation_tokens_total").inc(n)
-
-
 def _delta(out) -> TokenDelta:
     return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                       out.stop_reason, len(out.prompt_token_ids), out.num_cached_tokens, len(out.token_ids),
@@ -124,7 +57,7 @@ def _delta(out) -> TokenDelta:
                       out.text if out.finished else None)
 
 
-def replica_main(index: int, config, faults, probes: str, model_name: str, recorder_kwargs: dict[str, Any],
+def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory, model_name: str,
                  inbox, outbox) -> None:
     """Entry point of a replica process: load the engine, then serve the inbox until shutdown."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -137,19 +70,16 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, recor
     from layerscope.engine.sampling_params import InvalidRequestError
 
     try:
-        recorder = make_recorder(probes, index, model_name, **recorder_kwargs)
+        recorder: Recorder = recorders.engine(index, model_name)
         engine = LLMEngine(config, recorder=recorder, faults=faults)
-        if recorder.enabled:
-            recorder.configure(engine.config, engine.resolved)
-            recorder.start()
-        metrics = _EngineMetrics(recorder, model_name, index)
+        recorder.configure(engine.config, engine.resolved)
+        recorder.start()
     except Exception as e:  # noqa: BLE001 - reported to the gateway, which refuses to start
-        outbox.put(("fatal", f"replica {index} failed to start: {type(e).__name__}: {e}"))
+        outbox.put(Fatal(f"replica {index} failed to start: {type(e).__name__}: {e}"))
         return
-    outbox.put(("ready", {"replica": index, "pid": os.getpid(), "resolved": engine.resolved.to_dict(),
-                          "max_model_len": engine.max_model_len}))
+    outbox.put(Ready(index, os.getpid(), engine.resolved.to_dict(), engine.max_model_len))
     stats = engine.stats()
-    outbox.put(("metrics", metrics.snapshot(stats), stats))  # the idle state, before the first request
+    outbox.put(MetricsSnapshot(recorder.metric_families(stats), stats))  # the idle state, before the first request
     parent = mp.parent_process()
     last_push = time.monotonic()
     dirty = False
@@ -167,35 +97,32 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, recor
                 break  # the gateway died without telling us
             stop = False
             for msg in msgs:
-                kind = msg[0]
-                if kind == "add":
-                    _, rid, ids, params, traceparent, outer = msg
-                    if recorder.enabled:
-                        if traceparent:
-                            recorder.set_traceparent(rid, traceparent)
-                        recorder.set_request_timestamps(rid, **outer)
+                if isinstance(msg, AddRequest):
+                    rid = msg.request_id
+                    if msg.traceparent:
+                        recorder.set_traceparent(rid, msg.traceparent)
+                    recorder.set_request_timestamps(rid, **msg.gateway_fields)
                     try:
-                        engine.add_request(ids, params, request_id=rid, arrival_ns=time.monotonic_ns())
+                        engine.add_request(msg.prompt_token_ids, msg.params, request_id=rid,
+                                           arrival_ns=time.monotonic_ns())
                     except InvalidRequestError as e:
-                        outbox.put(("error", rid, str(e)))
-                elif kind == "abort":
-                    engine.abort_request(msg[1])
-                elif kind == "collect":
-                    outbox.put(("records", _export_records(recorder)))
-                elif kind == "shutdown":
+                        outbox.put(RequestError(rid, str(e)))
+                elif isinstance(msg, AbortRequest):
+                    engine.abort_request(msg.request_id)
+                elif isinstance(msg, CollectRecords):
+                    recorder.stop()  # ends the recording window (profiler, py-spy); the replica keeps serving
+                    outbox.put(Records(recorder.export()))
+                elif isinstance(msg, Shutdown):
                     stop = True
+                else:
+                    raise TypeError(f"replica {index}: unknown message {type(msg).__name__}")
                 dirty = True
             if stop or terminated:
                 break
             if engine.has_unfinished_requests():
                 outs = engine.step()
                 if outs:
-                    deltas = [_delta(o) for o in outs]
-                    outbox.put(("out", deltas))
-                    metrics.on_tokens(sum(len(d.new_token_ids) for d in deltas))
-                    for d in deltas:
-                        if d.finished:
-                            metrics.on_finished(d)
+                    outbox.put(Outputs([_delta(o) for o in outs]))
                     dirty = True
                 else:
                     time.sleep(0.001)  # nothing schedulable this instant; don't spin
@@ -203,26 +130,16 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, recor
             idle = not engine.has_unfinished_requests()
             if dirty and (idle or now - last_push >= METRICS_INTERVAL_S):
                 stats = engine.stats()
-                outbox.put(("metrics", metrics.snapshot(stats), stats))
+                outbox.put(MetricsSnapshot(recorder.metric_families(stats), stats))
                 last_push, dirty = now, False
     except Exception:  # noqa: BLE001 - the engine broke: tell the gateway, then exit
-        outbox.put(("fatal", f"replica {index} crashed:\n{traceback.format_exc()}"))
+        outbox.put(Fatal(f"replica {index} crashed:\n{traceback.format_exc()}"))
     finally:
         try:
             engine.shutdown()
-            if recorder.enabled:
-                recorder.shutdown()
+            recorder.shutdown()
         finally:
-            outbox.put(("exit",))
-
-
-def _export_records(recorder) -> Any:
-    """What the gateway merges into the run bundle: the recorder's ``export()`` (None without probes).
-    Ends the recording window (profiler, py-spy); the replica keeps serving."""
-    if not recorder.enabled:
-        return None
-    recorder.stop()
-    return recorder.export()
+            outbox.put(Exited())
 
 
 # ---- parent side --------------------------------------------------------------------------------
@@ -233,24 +150,22 @@ class ReplicaError(RuntimeError):
 class ReplicaClient:
     """One replica process, seen from the gateway."""
 
-    def __init__(self, index: int, config, faults, probes: str, model_name: str,
-                 recorder_kwargs: dict[str, Any] | None = None):
+    def __init__(self, index: int, config, faults: Faults, recorders: RecorderFactory, model_name: str):
         ctx = mp.get_context("spawn")
         self.index = index
         self.inbox = ctx.Queue()
         self.outbox = ctx.Queue()
         # not a daemon: a replica with tp_size > 1 starts its own TP worker processes
         self.process = ctx.Process(target=replica_main, name=f"layerscope-replica-{index}",
-                                   args=(index, config, faults, probes, model_name, recorder_kwargs or {},
-                                         self.inbox, self.outbox))
-        self.info: dict[str, Any] = {}
+                                   args=(index, config, faults, recorders, model_name, self.inbox, self.outbox))
+        self.info: Ready | None = None
         self.alive = False
         self._reader: threading.Thread | None = None
 
     def start(self) -> None:
         self.process.start()
 
-    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+    def wait_ready(self, timeout_s: float) -> Ready:
         """Block until the engine is loaded; raises ReplicaError if it fails or times out."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -263,14 +178,14 @@ class ReplicaClient:
                 if time.monotonic() > deadline:
                     raise ReplicaError(f"replica {self.index} not ready after {timeout_s:.0f} s") from None
                 continue
-            if msg[0] == "ready":
-                self.info = msg[1]
+            if isinstance(msg, Ready):
+                self.info = msg
                 self.alive = True
-                return self.info
-            if msg[0] == "fatal":
-                raise ReplicaError(msg[1])
+                return msg
+            if isinstance(msg, Fatal):
+                raise ReplicaError(msg.message)
 
-    def start_reader(self, on_message: Callable[[int, tuple], None]) -> None:
+    def start_reader(self, on_message: Callable[[int, object], None]) -> None:
         """Hand every message from the replica to ``on_message(index, msg)`` (on a reader thread)."""
 
         def loop() -> None:
@@ -280,25 +195,26 @@ class ReplicaClient:
                 except queue.Empty:
                     if self.process.is_alive():
                         continue
-                    msg = ("fatal", f"replica {self.index} died (exit code {self.process.exitcode})")
+                    msg = Fatal(f"replica {self.index} died (exit code {self.process.exitcode})")
                 except (EOFError, OSError):
-                    msg = ("fatal", f"replica {self.index}: connection lost")
-                if msg[0] in ("fatal", "exit"):
+                    msg = Fatal(f"replica {self.index}: connection lost")
+                ended = isinstance(msg, (Fatal, Exited))
+                if ended:
                     self.alive = False
                 on_message(self.index, msg)
-                if msg[0] in ("fatal", "exit"):
+                if ended:
                     return
 
         self._reader = threading.Thread(target=loop, name=f"replica-{self.index}-reader", daemon=True)
         self._reader.start()
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: AddRequest | AbortRequest | CollectRecords | Shutdown) -> None:
         self.inbox.put(msg)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         if self.process.is_alive():
             try:
-                self.inbox.put(("shutdown",))
+                self.inbox.put(Shutdown())
             except (OSError, ValueError):
                 pass
             self.process.join(timeout_s)

@@ -10,14 +10,13 @@ Policies (``router_policy``):
   the prefix cache that holds it; prompts shorter than one block have no cacheable
   prefix and go least-loaded.
 
-The ``router.skew`` fault sends that share of requests to replica 0 whatever the
-policy says (a deterministic, seeded draw).
+The ``router.skew`` fault wraps the router (``faults.py``) to send that share of
+requests to replica 0 whatever the policy says.
 """
 
 from __future__ import annotations
 
 import hashlib
-import random
 from typing import Sequence
 
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity")
@@ -32,7 +31,7 @@ def prefix_hash(token_ids: Sequence[int], block_size: int) -> int | None:
 
 
 class Router:
-    def __init__(self, policy: str, num_replicas: int, block_size: int, skew: float = 0.0, seed: int = 0):
+    def __init__(self, policy: str, num_replicas: int, block_size: int):
         if policy not in POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         if num_replicas < 1:
@@ -40,17 +39,13 @@ class Router:
         self.policy = policy
         self.num_replicas = num_replicas
         self.block_size = block_size
-        self.skew = skew
-        self._rng = random.Random(seed)
         self._next = 0
         self.num_routed = [0] * num_replicas
 
     def choose(self, token_ids: Sequence[int], num_in_flight: Sequence[int], alive: Sequence[bool] | None = None) -> int:
         """The replica for a prompt, given each replica's requests in flight; counts the pick."""
         alive = alive or [True] * self.num_replicas
-        if self.skew and alive[0] and self._rng.random() < self.skew:
-            idx = 0
-        elif self.policy == "round_robin":
+        if self.policy == "round_robin":
             idx = self._round_robin(alive)
         elif self.policy == "least_loaded":
             idx = self._least_loaded(num_in_flight, alive)

@@ -17,8 +17,8 @@ Timing (perf_counter_ns, reported on the monotonic clock of the bundle):
   on one host, so their CLOCK_MONOTONIC readings are comparable. The arrivals travel to
   the driver with each worker's step reply, so measuring skew costs no extra collective.
 
-Injected fault ``collective.delay_ms`` delays this rank's arrival (rank 1 only): the
-other ranks see it as wait.
+The injected fault ``collective.delay_ms`` wraps rank 1's communicator so that it
+arrives late (``faults.py``); the other ranks see it as wait.
 """
 
 from __future__ import annotations
@@ -72,7 +72,6 @@ class Communicator:
         world_size: int,
         device: torch.device,
         timeout_s: float,
-        delay_s: float = 0.0,
         health_check: Callable[[], None] | None = None,
     ):
         self.pg = pg
@@ -80,7 +79,6 @@ class Communicator:
         self.world_size = world_size
         self.device = device
         self.timeout_s = timeout_s
-        self.delay_s = delay_s
         self.health_check = health_check  # raises when a peer is known dead (driver side)
         self.step_id = -1
         self._timings: list[Timing] = []
@@ -118,8 +116,6 @@ class Communicator:
 
     # ---- clocks ----
     def _arrive(self) -> int:
-        if self.delay_s:
-            time.sleep(self.delay_s)
         if self._is_cuda:
             self._drain_stream()
         return time.perf_counter_ns()

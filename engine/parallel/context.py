@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from layerscope.engine.parallel.comm import Communicator
+
+class Collectives(Protocol):
+    """What a parallel layer needs of a rank's communicator (``comm.Communicator``)."""
+
+    def all_reduce(self, x: Any, name: str = "") -> Any: ...
+
+    def all_gather(self, x: Any, dim: int = -1, name: str = "") -> Any: ...
 
 
 @dataclass
 class ParallelContext:
     rank: int = 0
     world_size: int = 1
-    comm: "Communicator | None" = None  # None when world_size == 1
+    comm: Collectives | None = None  # None when world_size == 1
 
     def shard(self, size: int, what: str) -> int:
         """Size of this rank's shard of a dimension that must divide evenly."""

@@ -25,7 +25,7 @@ from layerscope.regressions.workloads import builtin
 @pytest.fixture(scope="module")
 def stack(tiny_model):
     config = EngineConfig.from_overrides(model=str(tiny_model), num_kv_blocks=512, block_size=16)
-    gateway = Gateway(config, num_replicas=2, probes="off", record=True, served_model_name="tiny")
+    gateway = Gateway(config, num_replicas=2, record=True, served_model_name="tiny")
     with serving(gateway) as url:
         yield gateway, url
 

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from layerscope.engine.faults import Faults
 from layerscope.engine.gateway.admission import AdmissionController, QueueFullError
 from layerscope.engine.gateway.protocol import (
     APIError,
@@ -17,7 +18,7 @@ from layerscope.engine.gateway.protocol import (
     parse_body,
     render_chat,
 )
-from layerscope.engine.gateway.replica import TokenDelta
+from layerscope.engine.gateway.messages import TokenDelta
 from layerscope.engine.gateway.router import Router, prefix_hash
 from layerscope.engine.gateway.server import _StopHoldback
 
@@ -148,7 +149,7 @@ def test_prefix_affinity_is_sticky_by_first_block():
 
 
 def test_router_skew_fault():
-    r = Router("round_robin", 2, block_size=4, skew=0.5, seed=0)
+    r = Faults(router_skew=0.5).wrap_router(Router("round_robin", 2, block_size=4), seed=0)
     picks = Counter(r.choose([1], [0, 0]) for _ in range(1000))
     assert 700 < picks[0] < 800  # half go to 0 by the fault, half of the rest by round robin
     assert picks == Counter(dict(enumerate(r.num_routed)))
@@ -182,7 +183,7 @@ def test_admission_limits_queue_and_cancellation():
 
 def test_admission_delay_fault_is_spent_waiting():
     async def main():
-        adm = AdmissionController(max_concurrency=4, max_queue=4, delay_s=0.05)
+        adm = Faults(gateway_delay_ms=50).wrap_admission(AdmissionController(max_concurrency=4, max_queue=4))
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await asyncio.gather(*(adm.acquire() for _ in range(3)))

@@ -12,12 +12,13 @@ from layerscope.probes import schema
 from layerscope.probes.bundle import BundleWriter, read_bundle, write_part
 from layerscope.probes.metrics import METRICS
 from layerscope.probes.recorder import ProbeRecorder
+from layerscope.probes.serving import GatewayProbeRecorder
 from tests.probes.conftest import ENGINE, params, prompts
 
 
 def _serve(tiny_model, n=6):
     """Drive an engine the way the serving path does; the two recorders share nothing but messages."""
-    gw = ProbeRecorder("default", replica="gateway", model_name="tiny")
+    gw = GatewayProbeRecorder("tiny")
     rep = ProbeRecorder("default", replica=0, model_name="tiny")
     engine = LLMEngine(EngineConfig.from_overrides(model=str(tiny_model), **ENGINE), recorder=rep)
     rep.configure(engine.config, engine.resolved)

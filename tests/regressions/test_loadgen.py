@@ -140,9 +140,10 @@ def stack(tiny_model):
     from layerscope.engine.config import EngineConfig
     from layerscope.engine.gateway.gateway import Gateway
     from layerscope.engine.gateway.server import serving
+    from layerscope.probes.serving import recorders
 
     gateway = Gateway(EngineConfig.from_overrides(model=str(tiny_model), num_kv_blocks=512), num_replicas=1,
-                      probes="off", record=True, served_model_name="tiny")
+                      recorders=recorders("off"), record=True, served_model_name="tiny")
     with serving(gateway) as url:
         yield gateway, url
 

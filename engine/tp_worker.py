@@ -28,14 +28,11 @@ import torch.distributed as dist
 
 from layerscope.engine.config import EngineConfig
 from layerscope.engine.faults import Faults
-from layerscope.engine.model_runner import ModelRunner, allocate_kv_cache
+from layerscope.engine.model_runner import build_model_runner
 from layerscope.engine.models.llama import ModelSpec
-from layerscope.engine.models.loader import load_model
-from layerscope.engine.parallel.comm import Communicator, Timing, name_collectives, new_process_group
+from layerscope.engine.parallel.comm import Communicator, Timing, new_process_group
 from layerscope.engine.parallel.context import ParallelContext
-from layerscope.engine.parallel.layers import can_prepack, prepack_linears
 from layerscope.engine.scheduler import ScheduledRequest, SchedulerOutput
-from layerscope.kernels import get_kernel_ops
 
 
 # ---- messages -------------------------------------------------------------------------
@@ -98,31 +95,8 @@ class WorkerArgs:
     backend: str  # kernel backend
     num_blocks: int
     max_model_len: int
-    faults: Faults
+    faults: Faults  # applied where the rank's runner is assembled (build_model_runner)
     num_threads: int  # CPU intra-op threads for this rank
-
-
-# ---- one rank's model ---------------------------------------------------------------------
-def build_rank_runner(
-    config: EngineConfig,
-    spec: ModelSpec,
-    dtype: torch.dtype,
-    device: torch.device,
-    backend: str,
-    num_blocks: int,
-    max_model_len: int,
-    faults: Faults,
-    pctx: ParallelContext,
-) -> ModelRunner:
-    """This rank's weight shard, KV-cache shard and runner (the driver uses it for rank 0)."""
-    ops = get_kernel_ops(backend, faults.kernel_slowdown, faults.kernel_launch_gap_us)
-    model = load_model(config.model, spec, dtype, pctx, ops, max_model_len, device)
-    name_collectives(model)
-    if config.weight_prepack and can_prepack(dtype, device):
-        prepack_linears(model, native=backend == "cpu")
-    kv_heads = pctx.shard(spec.num_kv_heads, "num_key_value_heads")
-    kv = allocate_kv_cache(spec, num_blocks, config.block_size, kv_heads, dtype, device)
-    return ModelRunner(model, kv, config.block_size, device, config.seed, faults.layer_delays_s, ops.argmax)
 
 
 # ---- the process ------------------------------------------------------------------------------
@@ -143,11 +117,10 @@ def worker_main(args: WorkerArgs, conn) -> None:
         store = dist.TCPStore("127.0.0.1", args.store_port, args.world_size, False,
                               timeout=timedelta(seconds=max(timeout_s, 60.0)))
         pg = new_process_group(store, rank, args.world_size, device, timeout_s)
-        delay_s = args.faults.collective_delay_ms / 1000.0 if rank == 1 else 0.0
-        comm = Communicator(pg, rank, args.world_size, device, timeout_s, delay_s)
+        comm = Communicator(pg, rank, args.world_size, device, timeout_s)
         pctx = ParallelContext(rank, args.world_size, comm)
-        runner = build_rank_runner(args.config, args.spec, args.dtype, device, args.backend, args.num_blocks,
-                                   args.max_model_len, args.faults, pctx)
+        runner = build_model_runner(args.config, args.spec, args.dtype, device, args.backend, args.num_blocks,
+                                    args.max_model_len, args.faults, pctx)
         conn.send(WorkerReady(rank))
         while True:
             msg = conn.recv()

@@ -1,7 +1,7 @@
 """TPExecutor: the driver (rank 0) of a tensor-parallel engine, and its worker processes.
 
 Rank 0 runs inside the engine process: it prepares the step's inputs, runs its own
-shard's forward and samples. Ranks 1..N-1 are worker processes (``worker.py``), started
+shard's forward and samples. Ranks 1..N-1 are worker processes (``tp_worker.py``), started
 with the multiprocessing spawn context, one Pipe each.
 
 * Rendezvous: a TCPStore served by the driver on 127.0.0.1, port 0 (the OS picks a
@@ -38,11 +38,14 @@ from torch import nn
 
 from layerscope.engine.config import ConfigError, EngineConfig
 from layerscope.engine.faults import Faults
+from layerscope.engine.model_runner import build_model_runner
 from layerscope.engine.models.llama import ModelSpec
 from layerscope.engine.parallel.comm import CollectiveError, Communicator, collective_records, new_process_group
 from layerscope.engine.parallel.context import ParallelContext
 from layerscope.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from layerscope.engine.parallel.worker import (
+from layerscope.engine.recorder import Recorder
+from layerscope.engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from layerscope.engine.tp_worker import (
     StepInputs,
     StepReply,
     Stop,
@@ -50,11 +53,8 @@ from layerscope.engine.parallel.worker import (
     WorkerFailed,
     WorkerHello,
     WorkerReady,
-    build_rank_runner,
     worker_main,
 )
-from layerscope.engine.recorder import Recorder
-from layerscope.engine.scheduler import ModelRunnerOutput, SchedulerOutput
 
 _START_TIMEOUT_FLOOR_S = 60.0  # spawn + import torch + load a shard
 _STOP_JOIN_S = 5.0  # graceful stop before terminate
@@ -116,7 +116,7 @@ class _WorkerGroup:
 
 
 class TPExecutor:
-    """Runs each engine step on all ranks; the engine's interface is that of ModelRunner."""
+    """Runs each engine step on all ranks; implements ``executor.Executor``."""
 
     def __init__(
         self,
@@ -165,15 +165,14 @@ class TPExecutor:
             self._group.pg = pg
             self.comm = Communicator(pg, 0, world, device, self.timeout_s, health_check=self._check_workers)
             pctx = ParallelContext(0, world, self.comm)
-            self.runner = build_rank_runner(config, spec, dtype, device, backend, num_blocks, max_model_len,
-                                            faults, pctx)
+            self.runner = build_model_runner(config, spec, dtype, device, backend, num_blocks, max_model_len,
+                                             faults, pctx)
             self._expect_all(WorkerReady, "start-up", start_timeout_s)
         except BaseException as e:
             err = self._fail(e, "start-up")
             if err is e:
                 raise
             raise err from e
-        self.sampler = self.runner.sampler
         self.num_parameters = full_num_parameters(self.runner.model, world)
 
     @property
@@ -204,6 +203,10 @@ class TPExecutor:
         if self.recorder.enabled:
             result.collectives = collective_records(out.step_id, timings)
         return result
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's per-request state (rank 0 samples)."""
+        self.runner.forget(request_id)
 
     def shutdown(self) -> None:
         """Stop the workers and release the process group; safe to call more than once."""

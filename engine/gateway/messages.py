@@ -1,0 +1,104 @@
+"""The messages between the gateway and its replica processes (over multiprocessing queues).
+
+    gateway -> replica   AddRequest, AbortRequest, CollectRecords, Shutdown
+    replica -> gateway   Ready, Outputs, RequestError, MetricsSnapshot, Records, Fatal, Exited
+
+Each is pickled onto the queue; ``Outputs`` carries one ``TokenDelta`` per request the
+step advanced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from layerscope.engine.sampling_params import SamplingParams
+
+
+class TokenDelta(NamedTuple):
+    """One request's output from one engine step (one token), as sent to the gateway."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    engine_arrival_ns: int
+    engine_first_token_ns: int | None
+    engine_finished_ns: int | None
+    num_preemptions: int
+    text: str | None = None  # the whole output text, on the finished delta only (stop strings cut it)
+
+
+# ---- gateway -> replica ----
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    traceparent: str | None  # the gateway's root span: the replica's spans join its trace
+    gateway_fields: dict[str, int] = field(default_factory=dict)  # gateway_arrival_ns, _admitted_ns, _routed_ns
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class CollectRecords:
+    """Stop recording and send back the recorder's export (the replica keeps serving)."""
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- replica -> gateway ----
+@dataclass
+class Ready:
+    replica: int
+    pid: int
+    resolved: dict[str, Any]  # ResolvedConfig.to_dict()
+    max_model_len: int
+
+
+@dataclass
+class Outputs:
+    deltas: list[TokenDelta]
+
+
+@dataclass
+class RequestError:
+    """The engine refused the request (never added)."""
+
+    request_id: str
+    message: str
+
+
+@dataclass
+class MetricsSnapshot:
+    families: list  # Prometheus metric families of the replica's recorder ([] with probes off)
+    stats: dict[str, Any]  # LLMEngine.stats()
+
+
+@dataclass
+class Records:
+    export: dict[str, Any] | None  # the recorder's export(); None without probes
+
+
+@dataclass
+class Fatal:
+    """The replica failed to start or crashed; it exits."""
+
+    message: str
+
+
+@dataclass
+class Exited:
+    pass
