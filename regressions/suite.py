@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from layerscope.engine.models import registry
+
 SUITES_DIR = Path(__file__).parent / "suites"
 
 # Gated metrics: diagnose's comparison metrics (same names, same significance rule).
@@ -64,9 +66,9 @@ METRICS: dict[str, str] = {
 }
 HIGHER_IS_BETTER = frozenset({"output_tokens_per_s", "goodput_requests_per_s"})
 SLO_KEYS = ("ttft_s", "tpot_s", "e2e_s")
-# ``layerscope model create`` choices (DESIGN.md); mirrors engine.models.create, whose
-# import costs torch's: validation stays instant (tests/regressions/test_suite.py checks)
-ARCHS = ("llama", "qwen2", "qwen3")
+# ``layerscope model create`` choices (DESIGN.md), from the torch-free architecture registry
+# (engine.models.create costs torch's import: validation stays instant, test_suite.py checks)
+ARCHS = registry.names()
 PRESETS = ("tiny", "small", "100m")
 PROBE_LEVELS = ("off", "default", "full")
 
@@ -211,9 +213,10 @@ def _model(d: Any, base: Path, where: str) -> ModelSpec:
     arch = _typed(d.get("arch", "llama"), str, f"{where}: model.arch")
     preset = _typed(d.get("preset", "tiny"), str, f"{where}: model.preset")
     seed = _typed(d.get("seed", 0), int, f"{where}: model.seed")
-    if arch not in ARCHS or preset not in PRESETS:
+    presets = (registry.get(arch).presets or PRESETS) if arch in ARCHS else PRESETS
+    if arch not in ARCHS or preset not in presets:
         raise SuiteError(f"{where}: unknown model {arch}/{preset}; archs: {', '.join(ARCHS)}; "
-                         f"presets: {', '.join(PRESETS)}")
+                         f"presets: {', '.join(presets)}")
     return ModelSpec(arch=arch, preset=preset, seed=seed)
 
 
