@@ -108,7 +108,7 @@ class SuiteWorkload:
         """What ``layerscope run --workload FILE.json`` reads: the built-in as ``base`` (or
         the file's own fields), the seed, the overrides and the suite's SLOs. Only the
         fields the suite names, so an older version's WorkloadSpec reads it too."""
-        from layerscope.regressions.workloads import BUILTIN
+        from layerscope.regressions.load.workloads import BUILTIN
 
         if self.workload in BUILTIN:
             data: dict[str, Any] = {"base": self.workload}
@@ -221,7 +221,7 @@ def _model(d: Any, base: Path, where: str) -> ModelSpec:
 
 
 def _workloads(items: Any, base: Path, where: str) -> tuple[SuiteWorkload, ...]:
-    from layerscope.regressions.workloads import BUILTIN
+    from layerscope.regressions.load.workloads import BUILTIN
 
     if not isinstance(items, list) or not items:
         raise SuiteError(f"{where}: needs at least one [[workloads]] entry")
@@ -310,7 +310,7 @@ def _thresholds(d: Any, where: str) -> dict[str, float]:
 
 
 def _check_workload(w: SuiteWorkload, slo: dict[str, float], where: str) -> None:
-    from layerscope.regressions.workloads import WorkloadError, load_workload
+    from layerscope.regressions.load.workloads import WorkloadError, load_workload
 
     overrides = {"seed": w.seed, **w.params, **{f"slo_{k}": v for k, v in slo.items()}}
     try:

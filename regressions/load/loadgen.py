@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
-from layerscope.regressions.workloads import RequestSpec, WorkloadSpec
+from layerscope.regressions.load.workloads import RequestSpec, WorkloadSpec
 
 PERCENTILES = (50, 90, 99)
 
