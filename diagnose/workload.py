@@ -134,7 +134,7 @@ def workload_diff(base: Run, cand: Run) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=DIFF_COLUMNS)
 
 
-# spec fields that shape only one kind of workload (layerscope.regressions.workloads.WorkloadSpec)
+# spec fields that shape only one kind of workload (layerscope.regressions.load.workloads.WorkloadSpec)
 KIND_ONLY = {
     "agentic": {"num_sessions", "turns_per_session", "num_agents", "system_prompt_len", "tools_len",
                 "turn_input_len", "think_time_s"},

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from layerscope.engine.llm import LLM
+from layerscope.engine.models import registry
 from layerscope.engine.models.create import create_model
 from layerscope.engine.parallel.layers import can_prepack
 from layerscope.engine.recorder import ListRecorder
@@ -159,7 +160,7 @@ def decode_roofline(llm: LLM, batch: int, ctx: int, flops_peak: float, bw_peak: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="100m")
-    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--arch", default="llama", choices=registry.names())
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)

@@ -1,8 +1,9 @@
 """The ``cpu`` kernel backend: native C kernels where they pay, torch reference ops elsewhere.
 
-``csrc/cpu_kernels.c`` (plain C + OpenMP, no torch headers) is compiled once with the
-system C compiler (``$CC``, else ``cc``; ``-O3 -march=native``) into a cache directory
-(``$LAYERSCOPE_CACHE_DIR``, else ``~/.cache/layerscope``) keyed by the source, the
+``csrc/*.c`` (plain C + OpenMP, no torch headers; elementwise, attention, GEMM, decode
+stack, sharing ``common.h``) is compiled once with the system C compiler (``$CC``, else
+``cc``; ``-O3 -march=native``) into one library in a cache directory
+(``$LAYERSCOPE_CACHE_DIR``, else ``~/.cache/layerscope``) keyed by every source, the
 compiler, the flags and the CPU, then loaded with ctypes. The library links the process's
 ``libgomp.so.1`` (the one torch loaded), so its threads are torch's threads.
 
@@ -34,7 +35,7 @@ import torch
 from layerscope.kernels import reference
 from layerscope.kernels.reference import prefill_attention  # noqa: F401 - the backend's SDPA op
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).parent / "csrc"
 # no FMA contraction: elementwise results then match torch's separately rounded ops
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -75,22 +76,30 @@ def _cpu_signature() -> bytes:
     return "\n".join(keep).encode()
 
 
+def sources_of_library() -> list[Path]:
+    """The C files compiled into the one library (``csrc/*.c``, in name order)."""
+    return sorted(CSRC.glob("*.c"))
+
+
 def build(force: bool = False) -> Path:
     """Compile the kernels (once per source/compiler/flags) and return the library path."""
     cc = _compiler()
-    src = SOURCE.read_bytes()
-    key = hashlib.blake2b(src + cc.encode() + " ".join(FLAGS).encode() + _cpu_signature(),
-                          digest_size=8).hexdigest()
+    sources = sources_of_library()
+    h = hashlib.blake2b(cc.encode() + " ".join(FLAGS).encode() + _cpu_signature(), digest_size=8)
+    for f in sorted(CSRC.glob("*.[ch]")):  # every source and header, by name and content
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    key = h.hexdigest()
     out = cache_dir() / f"cpu_kernels-{key}.so"
     if out.exists() and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp_out), "-lm"],
+        proc = subprocess.run([cc, *FLAGS, *map(str, sources), "-o", str(tmp_out), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            raise NativeBuildError(f"compiling {SOURCE.name} with {cc} failed:\n{proc.stderr[-4000:]}")
+            names = ", ".join(f.name for f in sources)
+            raise NativeBuildError(f"compiling {names} with {cc} failed:\n{proc.stderr[-4000:]}")
         os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
     return out
 

@@ -1,8 +1,8 @@
 """Torch reference implementations of every kernel (the ``torch`` backend).
 
-These are the independent references the Triton kernels are tested against, and the
-engine's ops on CPU. Shapes are noted per argument; all functions are pure except
-``write_kv`` (in-place into the cache).
+These are the independent references the Triton and the native CPU kernels are tested
+against, and the engine's ops on CPU. Shapes are noted per argument; all functions are
+pure except ``write_kv``, ``rotary_write_kv`` and ``decode_layers`` (in place into the cache).
 """
 
 from __future__ import annotations
@@ -159,3 +159,66 @@ def decode_attention(
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b * hk, g, length)
     return torch.bmm(probs, v).view(b, hq, d)  # query head h uses kv head h // g
+
+
+# ---- references of the native CPU kernels that have no torch-backend op of their own ----------
+# Named apart from the optional ops dispatch.KernelOps looks up (``argmax``, ``rotary_write_kv``):
+# the torch backend keeps its composite ops and torch's argmax.
+def rotary_then_write_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """``rotary`` then ``write_kv`` of the rotated k (and v) into the cache; returns the rotated q."""
+    q, k = rotary(q, k, positions, cos_sin_cache)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [N, V] -> [N] int64: the first maximum of each row, a NaN counting as the maximum."""
+    return logits.argmax(dim=-1)
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = False,
+           silu_mul: bool = False) -> torch.Tensor:
+    """x: [..., K], weight: [N, K] (unpacked) -> [..., N] (``silu_mul``: [..., N/2]).
+
+    fp32 accumulation, (+ bias), one rounding to x's dtype (oneDNN's contract; the native
+    GEMM's). ``float_out``: that rounded result as fp32 (the LM head's logits);
+    ``silu_mul``: ``silu_and_mul`` of it, weight being [gate; up]."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    if silu_mul:
+        return silu_and_mul(y)
+    return y.float() if float_out else y
+
+
+def decode_layers(
+    layers: list[dict[str, torch.Tensor | None]], h: torch.Tensor, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder stack of a decode-only step, op by op (the native ``decode_layers``'s reference).
+
+    layers: per layer ``input_norm``, ``post_norm`` [H]; ``qkv`` [(Hq + 2 Hk) D, H],
+    ``qkv_bias`` or None; ``o`` [H, Hq D]; ``gate_up`` [2I, H] ([gate; up]), ``gate_up_bias``
+    or None; ``down`` [H, I]; ``k_cache``, ``v_cache`` [num_blocks, block_size, Hk, D]
+    (written). h: [T, H], one decode token per row. Returns (h, residual) of the last
+    layer (the model's output is their sum)."""
+    t = h.shape[0]
+    hq, hk, d = num_heads, num_kv_heads, head_dim
+    residual = None
+    for ly in layers:
+        if residual is None:
+            residual = h
+            x = rms_norm(h, ly["input_norm"], eps)
+        else:
+            x, residual = fused_add_rms_norm(h, residual, ly["input_norm"], eps)
+        qkv = linear_bf16(x, ly["qkv"], ly["qkv_bias"])
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q = rotary_then_write_kv(q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d), positions, cos_sin_cache,
+                            ly["k_cache"], ly["v_cache"], slot_mapping)
+        attn = decode_attention(q, ly["k_cache"], ly["v_cache"], block_tables, seq_lens, scale)
+        h = linear_bf16(attn.reshape(t, hq * d), ly["o"])
+        x, residual = fused_add_rms_norm(h, residual, ly["post_norm"], eps)
+        h = linear_bf16(linear_bf16(x, ly["gate_up"], ly["gate_up_bias"], silu_mul=True), ly["down"])
+    return h, residual

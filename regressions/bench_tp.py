@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from layerscope.engine.models import registry
 from layerscope.engine.recorder import ListRecorder
 
 
@@ -93,7 +94,7 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m layerscope.regressions.bench_tp", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory (default: a seeded model made for the run)")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--arch", default="llama", choices=registry.names())
     p.add_argument("--preset", default="small", choices=["tiny", "small", "100m"])
     p.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     p.add_argument("--num-prompts", type=int, default=16)

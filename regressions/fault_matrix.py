@@ -1,16 +1,16 @@
 """Fault matrix: does ``layerscope diagnose`` name the layer of a known regression?
 
 For every ``--fault`` of DESIGN.md and a set of config mistakes, run a baseline and a
-candidate with ``layerscope run`` on a small model, then ``layerscope diagnose
-BASELINE CANDIDATE --json``, and check that the primary layer is the expected one.
+candidate with ``layerscope.run`` on a small model, then diagnose them (``layerscope
+diagnose BASELINE CANDIDATE --json``), and check that the primary layer is the expected one.
 Also runs A/A pairs (the baseline twice), which must give ``no_change``. Prints a
 table and the accuracy; ``--json`` writes the rows.
 
     python -m layerscope.regressions.fault_matrix [--model DIR] [--out DIR] [--cases a,b,...]
                                                   [--num-requests N] [--rate R] [--aa N]
 
-Every run is a subprocess (``python -m layerscope run``), so this module imports
-nothing heavy; runs whose bundle already exists under --out are reused unless
+Runs go through the run API in this process (replicas are its child processes); runs
+whose bundle already exists under --out (with its calibration file) are reused unless
 --fresh. Sized for the tiny model on two CPU cores: about 20 s per run. On a shared
 machine other people's jobs slow whole runs down by large factors, so each run waits
 for the CPUs to be mostly idle, and a run during which other processes kept more than
@@ -22,47 +22,47 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
     expected: str  # layer id diagnose must name as primary
-    candidate: tuple[str, ...]  # extra `layerscope run` arguments of the candidate
-    baseline: tuple[str, ...] = ()  # extra arguments shared by baseline and candidate
-    workload: tuple[str, ...] = ()  # workload arguments (override the defaults)
+    candidate: dict[str, Any]  # ``layerscope.run`` keyword arguments of the candidate (config, faults)
+    baseline: dict[str, Any] = field(default_factory=dict)  # keyword arguments of baseline and candidate
+    workload: dict[str, Any] = field(default_factory=dict)  # workload fields over the defaults ("workload": name)
     note: str = ""
 
 
 # The faults of DESIGN.md, sized to stand out of a 2-core machine's noise, and config mistakes.
+BURST = {"rate": 0, "num_requests": 64}  # "under load": the tiny model serves a request in ~20 ms
 CASES: tuple[Case, ...] = (
-    Case("gateway.delay_ms", "gateway.queue", ("--fault", "gateway.delay_ms=150")),
+    Case("gateway.delay_ms", "gateway.queue", {"faults": {"gateway.delay_ms": 150}}),
     # a burst (64 requests at t=0): one of two replicas taking 90% of it is overloaded; one
     # thread per replica, or on two cores an idle replica would just lend its CPU to the busy one
-    Case("router.skew", "gateway.route", ("--fault", "router.skew=0.9"), ("--replicas", "2", "--set", "num_threads=1"),
-         workload=("--rate", "0", "--num-requests", "64")),
-    Case("engine.step_overhead_ms", "engine.schedule", ("--fault", "engine.step_overhead_ms=8")),
-    Case("model.layer_delay", "model.forward", ("--fault", "model.layer_delay=layers.1.mlp:6")),
-    Case("kernel.slowdown", "kernel.compute", ("--fault", "kernel.slowdown=4"), ("--profile", "kernels")),
-    Case("kernel.launch_gap_us", "kernel.launch_gap", ("--fault", "kernel.launch_gap_us=400"),
-         ("--profile", "kernels")),
-    Case("collective.delay_ms", "parallel.collective", ("--fault", "collective.delay_ms=4"), ("--tp", "2")),
-    Case("output.delay_ms", "engine.output", ("--fault", "output.delay_ms=8")),
-    # "under load": the tiny model serves a request in ~20 ms, so load means a burst at t=0
-    Case("max_num_seqs_low", "engine.queue", ("--set", "max_num_seqs=2"), workload=("--rate", "0", "--num-requests", "64"),
+    Case("router.skew", "gateway.route", {"faults": {"router.skew": 0.9}},
+         {"replicas": 2, "config": {"num_threads": 1}}, workload=BURST),
+    Case("engine.step_overhead_ms", "engine.schedule", {"faults": {"engine.step_overhead_ms": 8}}),
+    Case("model.layer_delay", "model.forward", {"faults": {"model.layer_delay": "layers.1.mlp:6"}}),
+    Case("kernel.slowdown", "kernel.compute", {"faults": {"kernel.slowdown": 4}}, {"profile": "kernels"}),
+    Case("kernel.launch_gap_us", "kernel.launch_gap", {"faults": {"kernel.launch_gap_us": 400}},
+         {"profile": "kernels"}),
+    Case("collective.delay_ms", "parallel.collective", {"faults": {"collective.delay_ms": 4}}, {"tp": 2}),
+    Case("output.delay_ms", "engine.output", {"faults": {"output.delay_ms": 8}}),
+    Case("max_num_seqs_low", "engine.queue", {"config": {"max_num_seqs": 2}}, workload=BURST,
          note="max_num_seqs too low under load"),
-    Case("num_kv_blocks_small", "engine.kv", ("--set", "num_kv_blocks=24"), workload=("--rate", "0", "--num-requests", "64"),
+    Case("num_kv_blocks_small", "engine.kv", {"config": {"num_kv_blocks": 24}}, workload=BURST,
          note="KV pool too small for the load"),
-    Case("prefix_caching_off_agentic", "engine.kv", ("--set", "enable_prefix_caching=false"),
-         workload=("--workload", "agentic", "--param", "num_sessions=6", "--param", "turns_per_session=4",
-                   "--rate", "3"), note="prefix caching off on a prefix-heavy workload"),
-    Case("small_token_budget_long_prompts", "engine.queue", ("--set", "max_num_batched_tokens=32"),
-         workload=("--param", "input_len=400", "--param", "max_input_len=900", "--rate", "1.5"),
+    Case("prefix_caching_off_agentic", "engine.kv", {"config": {"enable_prefix_caching": False}},
+         workload={"workload": "agentic", "num_sessions": 6, "turns_per_session": 4, "rate": 3},
+         note="prefix caching off on a prefix-heavy workload"),
+    Case("small_token_budget_long_prompts", "engine.queue", {"config": {"max_num_batched_tokens": 32}},
+         workload={"input_len": 400, "max_input_len": 900, "rate": 1.5},
          note="small max_num_batched_tokens on long prompts"),
 )
 CI_SUBSET = ("gateway.delay_ms", "engine.step_overhead_ms", "max_num_seqs_low")
@@ -131,75 +131,97 @@ def _busy_jiffies() -> tuple[float, float]:
     return (sum(f[:8]) - idle) / hz, time.monotonic()
 
 
-def _run(st: Settings, out: Path, args: list[str], fresh: bool) -> tuple[Path, float]:
-    """One ``layerscope run``; returns the bundle and how many CPUs other processes kept busy
-    while it ran (their contention is what makes a shared machine's runs incomparable)."""
+def _our_cpu_s() -> float:
+    """CPU seconds of this process and its finished children (the replicas, once stopped)."""
     import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def _run(st: Settings, out: Path, kwargs: dict[str, Any], fresh: bool) -> tuple[Path, float]:
+    """One ``layerscope.run``; returns the bundle and how many CPUs other processes kept busy
+    while it ran (their contention is what makes a shared machine's runs incomparable)."""
+    from layerscope.api import run
 
     side = out.with_name(out.name + ".calibration.json")
     if out.exists() and (out / "manifest.json").exists() and not fresh and side.exists():
         return out, json.loads(side.read_text())["others_cpus"]
     wait_quiet(st.max_busy, st.quiet_timeout_s)
-    cmd = [sys.executable, "-m", "layerscope", "run", "--model", st.model, "--out", str(out), "--overwrite",
-           "--no-progress", *args]
-    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ours0 = _our_cpu_s()
     busy0, t0 = _busy_jiffies()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=st.timeout_s)
+    try:
+        run(model=st.model, out=out, overwrite=True, timeout_s=min(st.timeout_s, 300.0), **kwargs)
+    except Exception as e:  # a failed run is the row's error, the matrix goes on
+        raise RuntimeError(f"run {out.name} failed: {type(e).__name__}: {e}") from e
     busy1, t1 = _busy_jiffies()
-    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
-    ours = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    ours = _our_cpu_s() - ours0
     others = max(0.0, (busy1 - busy0) - ours) / max(t1 - t0, 1e-9)
-    side.write_text(json.dumps({"others_cpus": others, "wall_s": t1 - t0, "ours_cpu_s": ours, "command": cmd}))
+    side.write_text(json.dumps({"others_cpus": others, "wall_s": t1 - t0, "ours_cpu_s": ours,
+                                "run": _jsonable_kwargs(kwargs)}))
     return out, others
 
 
-def _pair(st: Settings, base_dir: Path, cand_dir: Path, base_args: list[str], cand_args: list[str]
+def _jsonable_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(kwargs, sort_keys=True, default=str))
+
+
+def _pair(st: Settings, base_dir: Path, cand_dir: Path, base_kwargs: dict[str, Any], cand_kwargs: dict[str, Any]
           ) -> tuple[Path, Path, float]:
     """Baseline and candidate runs each taken while other processes kept at most
     ``st.max_others_cpus`` CPUs busy (a run that saw more is run again, up to ``st.retries``
     times). Returns both bundles and the larger contention seen."""
-    base, ob = _run(st, base_dir, base_args, st.fresh)
+    base, ob = _run(st, base_dir, base_kwargs, st.fresh)
     for _ in range(st.retries):
         if ob <= st.max_others_cpus:
             break
-        base, ob = _run(st, base_dir, base_args, True)
-    cand, oc = _run(st, cand_dir, cand_args, st.fresh)
+        base, ob = _run(st, base_dir, base_kwargs, True)
+    cand, oc = _run(st, cand_dir, cand_kwargs, st.fresh)
     for _ in range(st.retries):
         if oc <= st.max_others_cpus:
             break
-        cand, oc = _run(st, cand_dir, cand_args, True)
+        cand, oc = _run(st, cand_dir, cand_kwargs, True)
     return base, cand, max(ob, oc)
 
 
 def _diagnose(a: Path, b: Path) -> dict:
-    p = subprocess.run([sys.executable, "-m", "layerscope", "diagnose", str(a), str(b), "--json"],
-                       capture_output=True, text=True, timeout=300)
-    if p.returncode != 0:
-        raise RuntimeError(f"diagnose failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
-    return json.loads(p.stdout)
+    """``layerscope diagnose A B --json``, as a function."""
+    from layerscope.diagnose.cli import jsonable
+    from layerscope.diagnose.comparison import compare
+
+    try:
+        return jsonable(compare(a, b).diagnosis)
+    except ValueError as e:  # RunError: a bundle diagnose cannot read
+        raise RuntimeError(f"diagnose failed: {e}") from e
 
 
-def workload_args(case: Case, num_requests: int, rate: float, seed: int) -> list[str]:
-    args = ["--workload", "chat", "--num-requests", str(num_requests), "--rate", str(rate), "--seed", str(seed)]
-    # a case's workload arguments override (argparse keeps the last value)
-    return args + list(case.workload)
+def run_kwargs(case: Case, num_requests: int, rate: float, seed: int, candidate: bool) -> dict[str, Any]:
+    """``layerscope.run`` keyword arguments of a case's baseline (or candidate): the chat workload
+    at ``rate`` requests/s unless the case says otherwise, the case's shared arguments, and the
+    candidate's own (its config and faults merged over the shared ones)."""
+    params = {"num_requests": num_requests, "rate": rate, "seed": seed, **case.workload}
+    kw: dict[str, Any] = {"workload": params.pop("workload", "chat"), "workload_params": params, **case.baseline}
+    for key, value in (case.candidate.items() if candidate else ()):
+        kw[key] = {**kw.get(key, {}), **value} if key in ("config", "faults") else value
+    return kw
+
+
+def _key(kwargs: dict[str, Any]) -> str:
+    """New arguments, new run: a short digest of the keyword arguments."""
+    return hashlib.sha1(json.dumps(_jsonable_kwargs(kwargs), sort_keys=True).encode()).hexdigest()[:10]
 
 
 def run_case(case: Case, st: Settings, num_requests: int, rate: float, seed: int = 0) -> Row:
     """Baseline + candidate runs and the diagnosis of one case."""
     t0 = time.monotonic()
     row = Row(case.name, case.expected)
-    common = workload_args(case, num_requests, rate, seed) + list(case.baseline)
-    key = "base-" + "-".join(a.strip("-").replace("=", "_").replace("/", "_") for a in common)
+    base_kw = run_kwargs(case, num_requests, rate, seed, candidate=False)
+    cand_kw = run_kwargs(case, num_requests, rate, seed, candidate=True)
     try:
-        cand_args = common + list(case.candidate)
-        digest = hashlib.sha1(json.dumps(cand_args).encode()).hexdigest()[:8]  # new arguments, new run
-        base, cand, row.others_cpus = _pair(st, st.out / key[:120], st.out / f"cand-{case.name}-{digest}", common,
-                                            cand_args)
+        base, cand, row.others_cpus = _pair(st, st.out / f"base-{base_kw['workload']}-{_key(base_kw)}",
+                                            st.out / f"cand-{case.name}-{_key(cand_kw)}", base_kw, cand_kw)
         d = _diagnose(base, cand)
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
+    except RuntimeError as e:
         row.error = str(e)
         row.seconds = time.monotonic() - t0
         return row
@@ -216,7 +238,7 @@ def run_case(case: Case, st: Settings, num_requests: int, rate: float, seed: int
 
 def run_aa(st: Settings, num_requests: int, rate: float, repeat: int) -> list[Row]:
     """The default baseline twice (same workload and seed), ``repeat`` times: each must be no_change."""
-    args = workload_args(Case("A/A", "none", ()), num_requests, rate, 0)
+    args = run_kwargs(Case("A/A", "none", {}), num_requests, rate, 0, candidate=False)
     rows = []
     for i in range(repeat):
         t0 = time.monotonic()
@@ -229,7 +251,7 @@ def run_aa(st: Settings, num_requests: int, rate: float, repeat: int) -> list[Ro
             row.metrics = {k: (round(v["delta_pct"], 1) if v["delta_pct"] is not None else None, v["significant"])
                            for k, v in d["metrics"].items()}
             row.ok = d["verdict"] == "no_change"
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
+        except RuntimeError as e:
             row.error = str(e)
         row.seconds = time.monotonic() - t0
         rows.append(row)
@@ -256,8 +278,9 @@ def ensure_model(model: str | None, out: Path) -> str:
         return model
     path = out / "model-tiny"
     if not (path / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "layerscope", "model", "create", str(path), "--preset", "tiny",
-                        "--overwrite"], check=True, capture_output=True, text=True)
+        from layerscope.api import create_model
+
+        create_model(path, preset="tiny", overwrite=True)
     return str(path)
 
 

@@ -33,8 +33,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -212,11 +210,13 @@ def _model(suite: Suite, cache: Path, create: bool = True) -> Path | None:
     tmp = cache / f".{dest.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     m = suite.model
-    r = subprocess.run([sys.executable, "-m", "layerscope", "model", "create", str(tmp), "--arch", m.arch,
-                        "--preset", m.preset, "--seed", str(m.seed)], capture_output=True, text=True)
-    if r.returncode != 0:
+    from layerscope.api import create_model  # the model is shared by every version: made here, once
+
+    try:
+        create_model(tmp, arch=m.arch, preset=m.preset, seed=m.seed)
+    except (ValueError, OSError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RegressError(f"creating model {m.label} failed:\n{r.stderr.strip()[-2000:]}")
+        raise RegressError(f"creating model {m.label} failed: {e}") from None
     os.replace(tmp, dest)
     return dest
 

@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from layerscope.engine.models import registry
+
 SUITES_DIR = Path(__file__).parent / "suites"
 
 # Gated metrics: diagnose's comparison metrics (same names, same significance rule).
@@ -64,9 +66,9 @@ METRICS: dict[str, str] = {
 }
 HIGHER_IS_BETTER = frozenset({"output_tokens_per_s", "goodput_requests_per_s"})
 SLO_KEYS = ("ttft_s", "tpot_s", "e2e_s")
-# ``layerscope model create`` choices (DESIGN.md); mirrors engine.models.create, whose
-# import costs torch's: validation stays instant (tests/regressions/test_suite.py checks)
-ARCHS = ("llama", "qwen2", "qwen3")
+# ``layerscope model create`` choices (DESIGN.md), from the torch-free architecture registry
+# (engine.models.create costs torch's import: validation stays instant, test_suite.py checks)
+ARCHS = registry.names()
 PRESETS = ("tiny", "small", "100m")
 PROBE_LEVELS = ("off", "default", "full")
 
@@ -106,7 +108,7 @@ class SuiteWorkload:
         """What ``layerscope run --workload FILE.json`` reads: the built-in as ``base`` (or
         the file's own fields), the seed, the overrides and the suite's SLOs. Only the
         fields the suite names, so an older version's WorkloadSpec reads it too."""
-        from layerscope.regressions.workloads import BUILTIN
+        from layerscope.regressions.load.workloads import BUILTIN
 
         if self.workload in BUILTIN:
             data: dict[str, Any] = {"base": self.workload}
@@ -211,14 +213,15 @@ def _model(d: Any, base: Path, where: str) -> ModelSpec:
     arch = _typed(d.get("arch", "llama"), str, f"{where}: model.arch")
     preset = _typed(d.get("preset", "tiny"), str, f"{where}: model.preset")
     seed = _typed(d.get("seed", 0), int, f"{where}: model.seed")
-    if arch not in ARCHS or preset not in PRESETS:
+    presets = (registry.get(arch).presets or PRESETS) if arch in ARCHS else PRESETS
+    if arch not in ARCHS or preset not in presets:
         raise SuiteError(f"{where}: unknown model {arch}/{preset}; archs: {', '.join(ARCHS)}; "
-                         f"presets: {', '.join(PRESETS)}")
+                         f"presets: {', '.join(presets)}")
     return ModelSpec(arch=arch, preset=preset, seed=seed)
 
 
 def _workloads(items: Any, base: Path, where: str) -> tuple[SuiteWorkload, ...]:
-    from layerscope.regressions.workloads import BUILTIN
+    from layerscope.regressions.load.workloads import BUILTIN
 
     if not isinstance(items, list) or not items:
         raise SuiteError(f"{where}: needs at least one [[workloads]] entry")
@@ -307,7 +310,7 @@ def _thresholds(d: Any, where: str) -> dict[str, float]:
 
 
 def _check_workload(w: SuiteWorkload, slo: dict[str, float], where: str) -> None:
-    from layerscope.regressions.workloads import WorkloadError, load_workload
+    from layerscope.regressions.load.workloads import WorkloadError, load_workload
 
     overrides = {"seed": w.seed, **w.params, **{f"slo_{k}": v for k, v in slo.items()}}
     try:

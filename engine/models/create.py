@@ -38,6 +38,8 @@ from typing import Any, Mapping
 
 import torch
 
+from layerscope.engine.models import registry
+
 __all__ = [
     "ARCHS",
     "PRESETS",
@@ -49,12 +51,8 @@ __all__ = [
     "create_model",
 ]
 
-# arch -> (HF architecture class name, config class name, tie_word_embeddings default)
-ARCHS: dict[str, dict[str, Any]] = {
-    "llama": {"architecture": "LlamaForCausalLM", "model_type": "llama", "tie_word_embeddings": False},
-    "qwen2": {"architecture": "Qwen2ForCausalLM", "model_type": "qwen2", "tie_word_embeddings": True},
-    "qwen3": {"architecture": "Qwen3ForCausalLM", "model_type": "qwen3", "tie_word_embeddings": True},
-}
+# the --arch names; each one's HF class, model_type and config keys are its registry entry
+ARCHS: tuple[str, ...] = registry.names()
 
 # Shapes are shared across archs. tie_word_embeddings None = the arch default above.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -136,10 +134,9 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 # ---- validation ---------------------------------------------------------------------------
 def _check_arch_preset(arch: str, preset: str) -> None:
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; supported archs: {', '.join(ARCHS)}")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; supported presets: {', '.join(PRESETS)}")
+    presets = registry.get(arch).presets or tuple(PRESETS)  # UnknownArchitecture (ValueError) names the archs
+    if preset not in presets or preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} for {arch}; supported presets: {', '.join(presets)}")
 
 
 def _dtype_name(dtype: str | torch.dtype | None, preset: str) -> str:
@@ -282,9 +279,10 @@ def _tokenizer_files(tok, model_max_length: int) -> dict[str, Any]:
 # ---- config -------------------------------------------------------------------------------
 def _config_kwargs(arch: str, preset: str, vocab_size: int) -> dict[str, Any]:
     p = PRESETS[preset]
+    entry = registry.get(arch)
     tie = p["tie_word_embeddings"]
     if tie is None:
-        tie = ARCHS[arch]["tie_word_embeddings"]
+        tie = entry.tie_word_embeddings
     kw: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": p["hidden_size"],
@@ -305,13 +303,9 @@ def _config_kwargs(arch: str, preset: str, vocab_size: int) -> dict[str, Any]:
         "pad_token_id": 0,
         "use_cache": True,
     }
-    if arch == "llama":
-        kw.update(attention_bias=False, mlp_bias=False)
-    elif arch == "qwen2":  # q/k/v bias is hard-wired in Qwen2
-        kw.update(use_sliding_window=False, sliding_window=None, max_window_layers=p["num_hidden_layers"])
-    elif arch == "qwen3":
-        kw.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
-                  max_window_layers=p["num_hidden_layers"])
+    kw.update(entry.create_config)
+    if "sliding_window" in entry.create_config:  # Qwen-style configs: no layer uses a window
+        kw["max_window_layers"] = p["num_hidden_layers"]
     return kw
 
 
@@ -322,8 +316,9 @@ def hf_config(arch: str = "llama", preset: str = "tiny", vocab_size: int | None 
 
     dtype_name = _dtype_name(dtype, preset)
     kw = _config_kwargs(arch, preset, vocab_size or PRESETS[preset]["vocab_size"])
-    cfg = AutoConfig.for_model(ARCHS[arch]["model_type"], **kw)
-    cfg.architectures = [ARCHS[arch]["architecture"]]
+    entry = registry.get(arch)
+    cfg = AutoConfig.for_model(entry.model_type, **kw)
+    cfg.architectures = [entry.hf_classes[0]]
     cfg.dtype = _DTYPES[dtype_name]
     return cfg
 

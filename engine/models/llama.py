@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from layerscope.engine.models import registry
 from layerscope.engine.parallel.context import ParallelContext
 from layerscope.engine.parallel.layers import (
     MergedColumnParallelLinear,
@@ -48,10 +49,7 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelSpec":
         arch = (cfg.get("architectures") or ["?"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
+        entry = registry.for_hf_class(arch)  # UnknownArchitecture (ValueError) lists the supported ones
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_theta")
         if rope is None:  # transformers 5 nests it under rope_parameters
@@ -72,17 +70,10 @@ class ModelSpec:
             rope_theta=float(rope),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=SUPPORTED_ARCHITECTURES[arch]["qkv_bias"] or bool(cfg.get("attention_bias", False)),
-            qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
+            attention_bias=entry.qkv_bias or bool(cfg.get("attention_bias", False)),
+            qk_norm=entry.qk_norm,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         )
-
-
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
-}
 
 
 @dataclass

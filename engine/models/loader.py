@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from layerscope.engine.models import registry
 from layerscope.engine.models.llama import CausalLM, ModelSpec
 from layerscope.engine.parallel.context import ParallelContext
 from layerscope.kernels import KernelOps
@@ -82,8 +83,9 @@ def load_model(
     max_pos: int,
     device: torch.device,
 ) -> CausalLM:
-    """Build the model for this rank and fill it from the checkpoint."""
-    model = CausalLM(spec, pctx, ops, dtype, max_pos)
+    """Build the model for this rank (its class from the architecture registry) and fill it
+    from the checkpoint."""
+    model = registry.for_hf_class(spec.architecture).model_cls()(spec, pctx, ops, dtype, max_pos)
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     seen: set[str] = set()

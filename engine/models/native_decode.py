@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from layerscope.engine.models import registry
 from layerscope.kernels import cpu_native
 from layerscope.kernels.dispatch import profiler_enabled
 
@@ -37,9 +38,10 @@ class NativeDecode:
     @classmethod
     def build(cls, model, ops) -> "NativeDecode | None":
         """None unless every layer runs natively: cpu backend without injected faults,
-        bfloat16, one rank, no q/k norm, every linear packed for the native GEMM."""
-        spec = model.spec
-        if ops.backend != "cpu" or ops.faulty or spec.qk_norm or not cpu_native.available():
+        bfloat16, one rank, an architecture the native stack covers (registry: no q/k norm),
+        every linear packed for the native GEMM."""
+        if (ops.backend != "cpu" or ops.faulty or not registry.for_hf_class(model.spec.architecture).native_decode
+                or not cpu_native.available()):
             return None
         layers = []
         for layer in model.model.layers:

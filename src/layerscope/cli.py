@@ -72,13 +72,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from layerscope.engine.models import registry  # torch-free
+
     parser = argparse.ArgumentParser(prog="layerscope", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="create test models").add_subparsers(dest="model_command", required=True)
     p = model.add_parser("create", help="write a seeded random HF-format checkpoint with a real tokenizer")
     p.add_argument("dir")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--arch", default="llama", choices=registry.names())
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "100m"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -113,8 +115,8 @@ def _register_optional() -> None:
 
     if EXTRA_PARSERS:  # once per process: main() may be called repeatedly (tests)
         return
-    for mod in ("layerscope.demo", "layerscope.serve", "layerscope.regressions.cli", "layerscope.diagnose.cli",
-                "layerscope.diagnose.tui.cli", "layerscope.dashboards.cli"):
+    for mod in ("layerscope.demo", "layerscope.serve", "layerscope.run_cli", "layerscope.regressions.cli",
+                "layerscope.diagnose.cli", "layerscope.diagnose.tui.cli", "layerscope.dashboards.cli"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -1,7 +1,7 @@
 """``layerscope demo``: the main job on embedded defaults.
 
 Creates the tiny model if needed, serves it and drives it with a built-in workload
-under default probes (``layerscope run``), prints the single-run diagnosis, and says
+under default probes (``layerscope.run``), prints the single-run diagnosis, and says
 how to open the run in the TUI.
 """
 
@@ -21,21 +21,31 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=cmd_demo)
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from layerscope.cli import main
+def demo(model: str | Path = "models/tiny-llama", workload: str = "chat", runs: str | Path = "runs",
+         probes: str = "default", progress: bool = False) -> Path:
+    """Create the tiny llama at ``model`` if it is missing, run ``workload`` on it, and return
+    the bundle (``runs/demo-WORKLOAD-TIME``)."""
+    from layerscope.api import create_model, run
 
-    model = Path(args.model)
+    model = Path(model)
     if not (model / "config.json").is_file():
-        rc = main(["model", "create", str(model), "--arch", "llama", "--preset", "tiny"])
-        if rc:
-            return rc
-    out = Path(args.runs) / f"demo-{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
-    rc = main(["run", "--model", str(model), "--workload", args.workload, "--out", str(out),
-               "--probes", args.probes])
-    if rc:
-        return rc
+        create_model(model, arch="llama", preset="tiny")
+        print(f"wrote llama/tiny model to {model}")
+    out = Path(runs) / f"demo-{Path(workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return run(model=model, workload=workload, out=out, probes=probes, progress=progress)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import sys
+
+    from layerscope.diagnose import render
+    from layerscope.diagnose.report import summarize
+    from layerscope.run_cli import print_summary
+
+    out = demo(args.model, args.workload, args.runs, args.probes, progress=sys.stderr.isatty())
+    print_summary(out, args.model)
     print()
-    rc = main(["diagnose", str(out)])
-    print(f"\nopen it in the TUI:  .venv/bin/layerscope tui {out}")
-    print(f"compare two runs:    .venv/bin/layerscope diagnose BASELINE {out}")
-    return rc
+    render.to_console(render.single_lines(summarize(out)))
+    print(f"\nopen it in the TUI:  layerscope tui {out}")
+    print(f"compare two runs:    layerscope diagnose BASELINE {out}")
+    return 0

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from layerscope.engine.llm import LLM
+from layerscope.engine.models import registry
 from layerscope.engine.models.create import create_model
 from layerscope.engine.sampling_params import SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = list(registry.names())
 MAX_NEW = 24
 
 SCENARIOS = {

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from layerscope.engine.models import create as C  # noqa: E402
+from layerscope.engine.models import registry  # noqa: E402
 from layerscope.engine.models.create import ARCHS, PRESETS, build_tokenizer, count_parameters, create_model  # noqa: E402
 
 UNICODE_TEXT = "Héllo wörld — naïve café ✓ 日本語 🎉\n\ttabs  and   spaces, 12345 digits! It's <b>done</b>."
@@ -55,8 +56,8 @@ def test_hf_loads_and_ids_consistent(tiny, hf_models, arch):
     cfg = AutoConfig.from_pretrained(d)
     tok = AutoTokenizer.from_pretrained(d)
     model = hf_models[arch]
-    assert type(model).__name__ == ARCHS[arch]["architecture"]
-    assert cfg.architectures == [ARCHS[arch]["architecture"]]
+    assert type(model).__name__ == registry.get(arch).hf_classes[0]
+    assert cfg.architectures == [registry.get(arch).hf_classes[0]]
     assert cfg.vocab_size == len(tok) == tok.backend_tokenizer.get_vocab_size() == PRESETS["tiny"]["vocab_size"]
     assert model.get_input_embeddings().weight.shape == (cfg.vocab_size, 64)
     assert model.get_output_embeddings().weight.shape == (cfg.vocab_size, 64)
@@ -204,7 +205,7 @@ def _arith_params(preset: str, arch: str, vocab: int) -> int:
     if arch == "qwen3":
         attn += 2 * p["head_dim"]
     layer = attn + 3 * h * i + 2 * h
-    tied = p["tie_word_embeddings"] if p["tie_word_embeddings"] is not None else ARCHS[arch]["tie_word_embeddings"]
+    tied = p["tie_word_embeddings"] if p["tie_word_embeddings"] is not None else registry.get(arch).tie_word_embeddings
     return L * layer + h + vocab * h * (1 if tied else 2)
 
 

@@ -18,8 +18,8 @@ from layerscope.engine.config import EngineConfig
 from layerscope.engine.gateway.gateway import Gateway
 from layerscope.engine.gateway.router import Router
 from layerscope.engine.gateway.server import serving
-from layerscope.regressions.loadgen import run_load
-from layerscope.regressions.workloads import builtin
+from layerscope.regressions.load.loadgen import run_load
+from layerscope.regressions.load.workloads import builtin
 
 
 @pytest.fixture(scope="module")

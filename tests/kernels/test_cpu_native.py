@@ -134,8 +134,7 @@ def test_rotary_write_kv_is_rotary_then_write_kv(dtype, t):
     slots[::4] = -1  # skipped tokens (padding)
     caches = [torch.zeros(40, 8, hk, d, dtype=dtype) for _ in range(4)]
     got_q = cpu_native.rotary_write_kv(q, k, v, pos, cos_sin, caches[0], caches[1], slots)
-    want_q, want_k = reference.rotary(q, k, pos, cos_sin)
-    reference.write_kv(want_k, v, caches[2], caches[3], slots)
+    want_q = reference.rotary_then_write_kv(q, k, v, pos, cos_sin, caches[2], caches[3], slots)
     assert torch.equal(got_q, want_q) if dtype == torch.bfloat16 else torch.allclose(got_q, want_q, atol=1e-5)
     close(caches[0], caches[2], bf16_tol=1e-2)
     assert torch.equal(caches[1], caches[3])  # v copied as is
@@ -187,8 +186,9 @@ def test_argmax_matches_torch_including_ties_and_nan(cols):
     x[4] = float("-inf")
     x[5, 0] = x[5].max() + 1
     x[5, -1] = x[5, 0]  # a tie between first and last: the first
-    assert torch.equal(cpu_native.argmax(x), x.argmax(dim=-1))
-    assert torch.equal(cpu_native.argmax(x[:, : max(1, cols // 2)]), x[:, : max(1, cols // 2)].argmax(dim=-1))
+    assert torch.equal(cpu_native.argmax(x), reference.argmax_rows(x))
+    assert torch.equal(cpu_native.argmax(x[:, : max(1, cols // 2)]), reference.argmax_rows(x[:, : max(1, cols // 2)]))
+    assert torch.equal(reference.argmax_rows(x), x.argmax(dim=-1))
 
 
 def test_cpu_backend_brings_the_sampler_its_argmax():
@@ -213,13 +213,15 @@ def test_native_linear_matches_f_linear(rows, k, bias):
     x = torch.randn(rows, 2 * k, generator=g).to(torch.bfloat16)[:, ::2]  # strided rows
     packed = cpu_native.pack_linear_weight(w)
     got = cpu_native.linear(x, packed, b)
-    want = torch.nn.functional.linear(x, w, b)
-    close(got, want, bf16_tol=1.6e-2 * (k / 80) ** 0.5)
-    if rows:  # fp32 accumulation and one rounding: nearly every element identical
+    close(got, torch.nn.functional.linear(x, w, b), bf16_tol=1.6e-2 * (k / 80) ** 0.5)
+    want = reference.linear_bf16(x, w, b)  # the same contract: fp32 accumulation, one rounding
+    close(got, want, bf16_tol=1e-2)
+    if rows:  # only the sums' association differs: nearly every element identical
         assert (got == want).float().mean() > 0.95
     assert cpu_native.linear(x.view(1, rows, k), packed, b).shape == (1, rows, 96)  # leading dims kept
     # the LM head's form: fp32 logits of the same bf16-rounded values, in one pass
     assert torch.equal(cpu_native.linear(x, packed, b, float_out=True), got.float())
+    assert torch.equal(reference.linear_bf16(x, w, b, float_out=True), want.float())
 
 
 @needs_bf16_gemm
@@ -234,7 +236,7 @@ def test_native_linear_silu_mul_is_the_projection_then_silu_and_mul(rows, bias):
     packed = cpu_native.pack_linear_weight(w, gate_up=True)
     got = cpu_native.linear(x, packed, None if b is None else cpu_native.interleave_gate_up(b), silu_mul=True)
     assert torch.equal(got, want)  # the same roundings, fused
-    close(got, reference.silu_and_mul(torch.nn.functional.linear(x, w, b)), bf16_tol=3e-2)
+    close(got, reference.linear_bf16(x, w, b, silu_mul=True), bf16_tol=3e-2)
     assert not cpu_native.can_pack_linear(torch.zeros(96, 48, dtype=torch.bfloat16), gate_up=True)  # halves % 32
 
 
@@ -261,3 +263,46 @@ def test_model_layers_use_the_native_gemm_with_the_cpu_backend(tiny_model):
         [[5, 6, 7, 8] * 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     out = llm.generate([[5, 6, 7, 8] * 5], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert len(out[0].token_ids) == len(torch_out[0].token_ids) == 8
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("qkv_bias", [False, True])  # llama, qwen2
+def test_native_decode_layers_match_the_reference_stack(qkv_bias):
+    g = torch.Generator().manual_seed(7 + qkv_bias)
+    hidden, hq, hk, d, inter, num_layers, bs, nb = 256, 4, 2, 64, 512, 3, 16, 12
+    lens = torch.tensor([5, 20, 33, 1, 17, 40])
+    t = len(lens)
+
+    def rnd(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    layers = [{"input_norm": 1 + rnd(hidden), "post_norm": 1 + rnd(hidden), "qkv": rnd((hq + 2 * hk) * d, hidden),
+               "qkv_bias": rnd((hq + 2 * hk) * d) if qkv_bias else None, "o": rnd(hidden, hq * d),
+               "gate_up": rnd(2 * inter, hidden), "gate_up_bias": None, "down": rnd(hidden, inter),
+               "k_cache": rnd(nb, bs, hk, d, scale=1.0), "v_cache": rnd(nb, bs, hk, d, scale=1.0)}
+              for _ in range(num_layers)]
+    ref_layers = [{**ly, "k_cache": ly["k_cache"].clone(), "v_cache": ly["v_cache"].clone()} for ly in layers]
+    packed = [{**ly, "qkv": cpu_native.pack_linear_weight(ly["qkv"]), "o": cpu_native.pack_linear_weight(ly["o"]),
+               "gate_up": cpu_native.pack_linear_weight(ly["gate_up"], gate_up=True),
+               "down": cpu_native.pack_linear_weight(ly["down"])} for ly in layers]
+    ptrs = (cpu_native.DecoderLayerPtrs * num_layers)()
+    for ptr, ly in zip(ptrs, packed):
+        for name, x in ly.items():
+            setattr(ptr, name, None if x is None else x.data_ptr())
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(512).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).contiguous()
+    positions = lens - 1
+    tables = torch.stack([torch.randperm(nb, generator=g)[:3] for _ in range(t)]).int()
+    slots = torch.tensor([int(tables[i, positions[i] // bs]) * bs + int(positions[i]) % bs for i in range(t)])
+    h = rnd(t, hidden, scale=1.0)
+    want_h, want_res = reference.decode_layers(ref_layers, h.clone(), positions, cos_sin, slots, tables, lens, hq, hk,
+                                               d, 1e-6, d**-0.5)
+    got_h, got_res = cpu_native.decode_layers(ptrs, h.clone(), positions, cos_sin, slots, tables, lens, hq, hk, d,
+                                              inter, 1e-6, d**-0.5, nb * bs, bs)
+    # the same roundings; GEMM and attention sums associate differently (bf16 ulps, compounding over layers)
+    close(got_h + got_res, want_h + want_res, bf16_tol=3e-2)
+    close(got_res, want_res, bf16_tol=3e-2)
+    for got, want in zip(layers, ref_layers):  # the rotated keys and the values written to the caches
+        close(got["k_cache"], want["k_cache"], bf16_tol=3e-2)
+        close(got["v_cache"], want["v_cache"], bf16_tol=3e-2)

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from layerscope.regressions.loadgen import ClientRecord, percentiles, summarize
-from layerscope.regressions.workloads import BUILTIN, WorkloadError, builtin, load_workload
+from layerscope.regressions.load.loadgen import ClientRecord, percentiles, summarize
+from layerscope.regressions.load.workloads import BUILTIN, WorkloadError, builtin, load_workload
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def stack(tiny_model):
 
 
 def test_loadgen_agrees_with_the_servers_records(stack):
-    from layerscope.regressions.loadgen import run_load, server_in_process
+    from layerscope.regressions.load.loadgen import run_load, server_in_process
 
     gateway, url = stack
     spec = builtin("chat", num_requests=24, rate=12.0, seed=5)

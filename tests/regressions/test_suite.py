@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from layerscope.regressions.suite import METRICS, SuiteError, load_suite, resolve_suite_path
-from layerscope.regressions.workloads import load_workload
+from layerscope.regressions.load.workloads import load_workload
 
 MINIMAL = """
 name = "t"

@@ -35,7 +35,7 @@ import aiohttp
 
 from layerscope.contract import RequestTimes, interval_s
 from layerscope.contract import percentiles as contract_percentiles
-from layerscope.regressions.workloads import RequestSpec, WorkloadSpec
+from layerscope.regressions.load.workloads import RequestSpec, WorkloadSpec
 
 
 @dataclass

@@ -1,0 +1,104 @@
+"""``layerscope run`` and ``layerscope bench`` (registered by ``layerscope.cli``): the
+command line of the run API (``layerscope.api.run`` / ``bench``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", required=True,
+                   help="built-in (chat, agentic, long-context, burst, offline) or a .toml/.json workload file")
+    g.add_argument("--seed", type=int, default=None, help="workload seed")
+    g.add_argument("--num-requests", type=int, default=None)
+    g.add_argument("--rate", type=float, default=None, help="requests/s (agentic: sessions/s); 0 = all at t=0")
+    g.add_argument("--burstiness", type=float, default=None, help="Gamma shape of arrival gaps (1 = Poisson)")
+    g.add_argument("--concurrency", type=int, default=None, help="client-side cap on requests in flight")
+    g.add_argument("--ramp-up-s", type=float, default=None)
+    g.add_argument("--param", action="append", metavar="KEY=VALUE", help="any workload spec field (repeatable)")
+    g.add_argument("--out", required=True, help="run bundle directory to write")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    g.add_argument("--timeout", type=float, default=300.0, help="per-request client timeout, seconds")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: when stderr is a terminal)")
+
+
+def workload_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload spec fields the command line overrides."""
+    from layerscope.regressions.load.workloads import WorkloadError
+
+    params: dict[str, Any] = {}
+    for item in args.param or []:
+        if "=" not in item:
+            raise WorkloadError(f"--param expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        params[k.strip()] = v.strip()
+    for attr, key in (("seed", "seed"), ("num_requests", "num_requests"), ("rate", "rate"),
+                      ("burstiness", "burstiness"), ("concurrency", "max_concurrency"), ("ramp_up_s", "ramp_up_s")):
+        if getattr(args, attr) is not None:
+            params[key] = getattr(args, attr)
+    return params
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    return args.progress if args.progress is not None else sys.stderr.isatty()
+
+
+def print_summary(path: Path, target: str) -> None:
+    """The client's summary of a bundle, as the load generator renders it."""
+    from rich.console import Console
+
+    from layerscope.regressions.load.loadgen import render_summary
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    title = f"{manifest['workload'].get('name', '?')} -> {target}"
+    Console(stderr=False).print(render_summary(manifest["summary"]["client"], title=title))
+    print(f"wrote {path}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from layerscope.api import bench
+
+    path = bench(endpoint=args.endpoint, workload=args.workload, out=args.out, workload_params=workload_params(args),
+                 served_model=args.served_model, api_key=args.api_key, tokenizer=args.tokenizer,
+                 overwrite=args.overwrite, timeout_s=args.timeout, progress=_progress(args))
+    print_summary(path, args.endpoint)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from layerscope.api import run
+    from layerscope.engine.config import parse_set_args
+
+    path = run(model=args.model, workload=args.workload, out=args.out, config=parse_set_args(args.set),
+               faults=args.fault, probes=args.probes, replicas=args.replicas, tp=args.tp,
+               workload_params=workload_params(args), profile=args.profile, overwrite=args.overwrite,
+               timeout_s=args.timeout, startup_timeout_s=args.startup_timeout, progress=_progress(args))
+    print_summary(path, args.model)
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    from layerscope.api import PROFILES
+    from layerscope.engine.gateway.cli import add_engine_args
+
+    p = subparsers.add_parser("bench", help="drive any OpenAI-compatible server with a workload; write a bundle")
+    p.add_argument("--endpoint", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--served-model", default=None, help="model name to request (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--tokenizer", default=None, help="model directory whose tokenizer sizes prompts exactly")
+    add_workload_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = subparsers.add_parser("run", help="serve a model, drive it with a workload, write one run bundle")
+    add_engine_args(p)
+    p.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                   help="profiler windows (kernels), py-spy (pyspy) or both; implies --probes full")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the replicas to load")
+    add_workload_args(p)
+    p.set_defaults(func=cmd_run)
