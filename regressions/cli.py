@@ -167,9 +167,16 @@ def execute_bench(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    from layerscope.regressions import capture
+
     before = _scrape(args.endpoint, args.api_key)
-    result = run_load(args.endpoint, spec, requests, model=args.served_model, api_key=args.api_key,
-                      progress=_progress(args), timeout_s=args.timeout)
+    scraper = capture.Scraper(args.endpoint, args.scrape_interval, args.api_key).start() if before else None
+    try:
+        result = run_load(args.endpoint, spec, requests, model=args.served_model, api_key=args.api_key,
+                          progress=_progress(args), timeout_s=args.timeout)
+    finally:
+        if scraper is not None:
+            scraper.stop()
     after = _scrape(args.endpoint, args.api_key)
     # the server's config is unknown to a client: the manifest's config stays empty, and the
     # endpoint goes with the client's summary
@@ -180,8 +187,9 @@ def execute_bench(args: argparse.Namespace) -> Path:
     writer.start_ns, writer.end_ns = result.start_ns, result.end_ns
     writer.add_request_fields(client_rows(result))
     path = writer.write()
-    if before is not None:
-        (path / "metrics_before.prom").write_text(before)
+    log = capture.read_server_log(args.server_log)
+    capture.finish_bundle(path, before=before, after=after, scraper=scraper, log=log, itls=capture.client_itls(result),
+                          info=capture.engine_info(args.endpoint, args.api_key, after or before, log))
     _report(result, path)
     return path
 
@@ -249,6 +257,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--served-model", default=None, help="model name to request (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--tokenizer", default=None, help="model directory whose tokenizer sizes prompts exactly")
+    p.add_argument("--scrape-interval", type=float, default=1.0, metavar="S",
+                   help="scrape the server's /metrics every S seconds during the run (scrapes.parquet)")
+    p.add_argument("--server-log", default=None, metavar="FILE",
+                   help="the engine's own log (vLLM, SGLang): its config and periodic stats go into the bundle")
     add_workload_args(p)
     p.set_defaults(func=cmd_bench)
 

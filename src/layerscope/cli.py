@@ -114,7 +114,7 @@ def _register_optional() -> None:
     if EXTRA_PARSERS:  # once per process: main() may be called repeatedly (tests)
         return
     for mod in ("layerscope.demo", "layerscope.engine.gateway.cli", "layerscope.regressions.cli", "layerscope.diagnose.cli",
-                "layerscope.diagnose.tui.cli", "layerscope.dashboards.cli"):
+                "layerscope.diagnose.tui.cli", "layerscope.dashboards.cli", "layerscope.regressions.external_cli"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

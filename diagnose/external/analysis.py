@@ -1,0 +1,248 @@
+"""diagnose on external bundles: the single-run report and the two-run comparison.
+
+Client-side TTFT/TPOT/ITL/E2E come from the requests and are compared with the same
+significance rule as our own bundles (``diagnose.stats``); the server-side split, KV
+pressure, prefix cache and batch size come from metric deltas (``measures``); the
+config/version diff from the manifests' ``engine``. Every result lists the layers the
+engine's metrics made visible and those they did not.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from layerscope.diagnose.external import measures as ms
+from layerscope.diagnose.external.config import engine_diff
+from layerscope.diagnose.external.run import ExternalRun, load_external
+from layerscope.diagnose.stats import DEFAULT_RULE, Rule, compare_quantile, compare_rate, quantile
+
+SCHEMA = "layerscope.diagnosis/1"
+REPORT_SCHEMA = "layerscope.external-report/1"
+LATENCY = (("ttft_p50_s", "ttft", 0.5, "p50"), ("ttft_p99_s", "ttft", 0.99, "p99"),
+           ("tpot_p50_s", "tpot", 0.5, "p50"), ("tpot_p99_s", "tpot", 0.99, "p99"),
+           ("itl_p50_s", "itl", 0.5, "p50"), ("e2e_p50_s", "e2e", 0.5, "p50"))
+THROUGHPUT = "output_tokens_per_s"
+
+
+def _as_run(x: ExternalRun | str | Path) -> ExternalRun:
+    return x if isinstance(x, ExternalRun) else load_external(x)
+
+
+def _values(r: ExternalRun, m: str) -> np.ndarray:
+    return r.itl_values if m == "itl" else r.ok[m].to_numpy(np.float64)
+
+
+def _pcts(x: np.ndarray) -> dict[str, Any]:
+    return {"p50": quantile(x, 0.5), "p90": quantile(x, 0.9), "p99": quantile(x, 0.99),
+            "count": int(np.sum(~np.isnan(x)))}
+
+
+def _throughput(r: ExternalRun) -> float | None:
+    d = r.duration_s
+    tok = float(r.ok["num_output_tokens"].fillna(0).sum())
+    return tok / d if d > 0 and tok else None
+
+
+# ---- single run -----------------------------------------------------------------------------------
+def summarize_external(run: ExternalRun | str | Path) -> dict[str, Any]:
+    r = _as_run(run)
+    split, kv, pc, bt = ms.server_split(r), ms.kv_pressure(r), ms.prefix_cache(r), ms.batch(r)
+    findings = single_findings(r, split, kv, pc, bt)
+    client = (r.manifest.get("summary") or {}).get("client") or {}
+    return {"schema": REPORT_SCHEMA, "run": r.name, "path": r.path, "engine": {k: r.engine.get(k) for k in
+                                                                               ("family", "version")},
+            "requests": int(len(r.requests)), "requests_finished": int(len(r.ok)), "duration_s": r.duration_s,
+            "output_tokens_per_s": _throughput(r),
+            "latency": {m: _pcts(_values(r, m)) for m in ("ttft", "tpot", "itl", "e2e")},
+            "tool_summary": client if not len(r.ok) else None,
+            "server_split": split, "kv": kv, "prefix_cache": pc, "batch": bt, "config": r.config,
+            "findings": findings, "visibility": r.visibility()}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def single_findings(r: ExternalRun, split, kv, pc, bt) -> list[dict[str, Any]]:
+    out = []
+    shares = split["shares_of_e2e"]
+    q = shares.get("engine.queue")
+    if q is not None and q >= 0.3:
+        ev = [f"queue {split['queue_time_s']:.3f} s of E2E {split['e2e_s']:.3f} s per request (mean, "
+              f"{split['queue_time_count']} requests)"]
+        layer = "engine.queue"
+        if bt["capped_share"]:
+            ev.append(f"running = max_num_seqs ({bt['max_num_seqs']}) with requests waiting on "
+                      f"{_pct(bt['capped_share'])} of scrapes")
+        if kv["usage_max"] is not None and kv["usage_max"] >= ms.KV_FULL:
+            layer = "engine.kv"
+            ev.append(f"KV cache usage peaks at {_pct(kv['usage_max'])} (full on {_pct(kv['full_share'])} of "
+                      "samples): KV-bound, not only queue-bound")
+        out.append({"message": f"requests wait in the engine queue ({_pct(q)} of E2E)", "layer": layer,
+                    "evidence": ev})
+    if (kv["preemptions"] or 0) > 0 or (kv["usage_max"] or 0) >= 0.95:
+        out.append({"message": "KV pressure", "layer": "engine.kv",
+                    "evidence": [f"{int(kv['preemptions'] or 0)} preemptions over the run",
+                                 f"KV usage max {_pct(kv['usage_max'])}, mean {_pct(kv['usage_mean'])}"]})
+    if pc["workload_shares_prefixes"] and pc["hit_rate"] is not None and pc["hit_rate"] < 0.01:
+        why = ("prefix caching is off (enable_prefix_caching=False)" if pc["enabled"] is False else
+               "prefix caching is on but nothing matched" if pc["enabled"] else "prefix caching is off or not matching")
+        out.append({"message": "prefix-cache hit rate 0% while the workload shares prefixes", "layer": "engine.kv",
+                    "evidence": [f"hit rate {_pct(pc['hit_rate'])} from {pc['source']}", why,
+                                 f"workload {r.workload.get('name')} re-sends shared system prompts"]})
+    fo = shares.get("engine.output + frontend")
+    if fo is not None and fo >= 0.3:
+        out.append({"message": f"time outside the engine core (API server, detokenization, streaming) is "
+                               f"{_pct(fo)} of E2E", "layer": "engine.output",
+                    "evidence": [f"e2e - queue - inference = {split['frontend_output_s']:.3f} s per request"]})
+    return out
+
+
+# ---- two runs -------------------------------------------------------------------------------------
+def _paired(a: ExternalRun, b: ExternalRun) -> bool:
+    return len(a.ok) == len(b.ok) and len(a.ok) > 0 and a.workload == b.workload and (
+        a.ok["num_prompt_tokens"].fillna(-1).to_numpy() == b.ok["num_prompt_tokens"].fillna(-1).to_numpy()).all()
+
+
+def workload_diff(a: ExternalRun, b: ExternalRun) -> list[dict[str, Any]]:
+    out = []
+    wa, wb = dict(a.workload), dict(b.workload)
+    for k in sorted(set(wa) | set(wb)):
+        if k != "name" and wa.get(k) != wb.get(k):
+            out.append({"feature": f"workload.{k}", "baseline": wa.get(k), "candidate": wb.get(k), "delta_pct": None,
+                        "material": True})
+    for feat, col in (("prompt_tokens_mean", "num_prompt_tokens"), ("output_tokens_mean", "num_output_tokens")):
+        va, vb = a.ok[col].astype(float).mean(), b.ok[col].astype(float).mean()
+        if va and not math.isnan(va) and not math.isnan(vb):
+            d = 100 * (vb / va - 1)
+            out.append({"feature": feat, "baseline": va, "candidate": vb, "delta_pct": d, "material": abs(d) > 20})
+    return out
+
+
+def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun | str | Path, *,
+                     rule: Rule = DEFAULT_RULE) -> dict[str, Any]:
+    a, b = _as_run(baseline), _as_run(candidate)
+    paired = _paired(a, b)
+    metrics: dict[str, dict] = {}
+    for name, m, q, kind in LATENCY:
+        pair = paired and m != "itl"
+        metrics[name] = compare_quantile(_values(a, m), _values(b, m), q, kind, rule, paired=pair)
+    ta, tb = a.ok["num_output_tokens"].fillna(0).to_numpy(float), b.ok["num_output_tokens"].fillna(0).to_numpy(float)
+    metrics[THROUGHPUT] = compare_rate(ta, np.full(len(ta), a.duration_s / max(len(ta), 1)), tb,
+                                       np.full(len(tb), b.duration_s / max(len(tb), 1)), rule)
+    wdiff = workload_diff(a, b)
+    cdiff = engine_diff(a, b)
+    sa, sb = ms.server_split(a), ms.server_split(b)
+    ctx = {"kv": (ms.kv_pressure(a), ms.kv_pressure(b)), "prefix": (ms.prefix_cache(a), ms.prefix_cache(b)),
+           "batch": (ms.batch(a), ms.batch(b)), "split": (sa, sb)}
+    findings = []
+    for name, m, q, _ in LATENCY:
+        if metrics[name]["significant"]:
+            findings += latency_findings(name, m, metrics[name], ctx, cdiff)
+    findings.sort(key=lambda f: -abs(f["delta_s"] or 0) * (2 if f["metric"].startswith("ttft_p50") else 1))
+    worse = [k for k, v in metrics.items() if v["significant"] and v["worse"]]
+    better = [k for k, v in metrics.items() if v["significant"] and not v["worse"]]
+    wl_changed = any(w["material"] for w in wdiff)
+    verdict = ("workload_changed" if wl_changed and (worse or better) else "regression" if worse else
+               "improvement" if better else "no_change")
+    for c in cdiff:
+        c["consistent"] = (any(f["layer"] == c["layer"] for f in findings) if findings else None) if c["layer"] else None
+    primary = {"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings else None
+    return {"schema": SCHEMA, "baseline": a.name, "candidate": b.name, "verdict": verdict, "metrics": metrics,
+            "findings": findings, "primary": primary, "config_diff": cdiff, "workload_diff": wdiff,
+            "external": {"paired": paired, "server_split": {"baseline": sa, "candidate": sb},
+                         "kv": dict(zip(("baseline", "candidate"), ctx["kv"])),
+                         "prefix_cache": dict(zip(("baseline", "candidate"), ctx["prefix"])),
+                         "batch": dict(zip(("baseline", "candidate"), ctx["batch"])),
+                         "engine": {"baseline": a.engine.get("version"), "candidate": b.engine.get("version")},
+                         "visibility": {"baseline": a.visibility(), "candidate": b.visibility()}}}
+
+
+def _d(x: float | None, y: float | None) -> float | None:
+    return None if x is None or y is None else y - x
+
+
+def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dict]) -> list[dict[str, Any]]:
+    """Split a significant client-side change over the layers the server's histograms show."""
+    sa, sb = ctx["split"]
+    total = metric["candidate"] - metric["baseline"]
+    parts: dict[str, float] = {}
+    dq = _d(sa["queue_time_s"], sb["queue_time_s"])
+    if m in ("ttft", "e2e") and dq is not None:
+        parts["engine.queue"] = dq
+    if m == "ttft":
+        dp = _d(sa["prefill_time_s"], sb["prefill_time_s"])
+    elif m == "e2e":
+        dp = _d(sa["inference_time_s"], sb["inference_time_s"])
+    else:  # per token: the decode time per output token the server measured
+        dp = _d(sa["tpot_s"], sb["tpot_s"]) if sa["tpot_s"] is not None else _d(sa["itl_s"], sb["itl_s"])
+    if dp is not None:
+        parts["model.forward"] = dp
+    causes = _causes(ctx, cdiff)
+    # the KV cache explains a queue or prefill change when its capacity, reuse or preemptions moved
+    relabel = {}
+    if causes.get("engine.kv") and not causes.get("cap"):
+        relabel = {"engine.queue": "engine.kv", "model.forward": "engine.kv"} if causes.get("prefix") else \
+            {"engine.queue": "engine.kv"}
+    merged: dict[str, float] = {}
+    for layer, v in parts.items():
+        merged[relabel.get(layer, layer)] = merged.get(relabel.get(layer, layer), 0.0) + v
+    findings = []
+    label = f"{m.upper()} {name.split('_')[1]}"
+    for layer, v in sorted(merged.items(), key=lambda kv: -abs(kv[1])):
+        share = v / total if total else None
+        if share is not None and share < 0.05:
+            continue
+        ev = list(causes.get(layer + ".evidence", []))
+        ev.insert(0, f"{layer}: {v * 1e3:+.1f} ms per request (server histograms, mean) of a {total * 1e3:+.1f} ms "
+                     f"change in client {label}")
+        findings.append({"metric": name, "layer": layer, "share": share, "delta_s": v,
+                         "cause": causes.get(layer + ".cause", "measured on the server's histograms"),
+                         "evidence": ev, "config_changes": [c["key"] for c in cdiff if c["layer"] == layer]})
+    if not findings:
+        findings.append({"metric": name, "layer": "client" if not parts else "engine.output", "share": None,
+                         "delta_s": total, "cause": "the server's histograms do not show it" if parts else
+                         "no server-side histograms in these bundles: the layer cannot be told",
+                         "evidence": [], "config_changes": []})
+    return findings
+
+
+def _causes(ctx: dict, cdiff: list[dict]) -> dict[str, Any]:
+    (ka, kb), (pa, pb), (ba, bb) = ctx["kv"], ctx["prefix"], ctx["batch"]
+    out: dict[str, Any] = {}
+    keys = {c["key"]: c for c in cdiff}
+    # admission capped by max_num_seqs
+    if bb["capped_share"] and (bb["capped_share"] or 0) > (ba["capped_share"] or 0) + 0.1 or (
+            "max_num_seqs" in keys and bb["waiting_mean"] and (bb["waiting_mean"] or 0) > (ba["waiting_mean"] or 0)):
+        out["cap"] = True
+        out["engine.queue.cause"] = (f"admission capped: max_num_seqs {keys['max_num_seqs']['baseline']} -> "
+                                     f"{keys['max_num_seqs']['candidate']}" if "max_num_seqs" in keys
+                                     else "admission capped at max_num_seqs")
+        out["engine.queue.evidence"] = [
+            f"running = max_num_seqs with requests waiting on {_pct(bb['capped_share'])} of scrapes (was "
+            f"{_pct(ba['capped_share'])})", f"waiting mean {ba['waiting_mean']} -> {bb['waiting_mean']}",
+            f"KV usage max {_pct(ka['usage_max'])} -> {_pct(kb['usage_max'])} (not KV-bound)"]
+    kv_ev = []
+    if pa["hit_rate"] is not None and pb["hit_rate"] is not None and pa["hit_rate"] >= 0.1 and \
+            pb["hit_rate"] < 0.5 * pa["hit_rate"]:
+        out["prefix"] = True
+        kv_ev.append(f"prefix-cache hit rate {_pct(pa['hit_rate'])} -> {_pct(pb['hit_rate'])} "
+                     f"({'the workload shares prefixes' if pb['workload_shares_prefixes'] else 'workload'})")
+        out["engine.kv.cause"] = "prefix cache lost its reuse: shared prompt prefixes are recomputed"
+    cap_a, cap_b = ka["capacity_tokens"], kb["capacity_tokens"]
+    pre_a, pre_b = ka["preemptions"] or 0, kb["preemptions"] or 0
+    full = kb["usage_max"] is not None and kb["usage_max"] >= ms.KV_FULL and (ka["usage_max"] or 0) < ms.KV_FULL
+    if (cap_a and cap_b and cap_b < 0.8 * cap_a) or pre_b > pre_a or full:
+        kv_ev.append(f"KV capacity {cap_a} -> {cap_b} tokens; usage max {_pct(ka['usage_max'])} -> "
+                     f"{_pct(kb['usage_max'])}; preemptions {pre_a:.0f} -> {pre_b:.0f}")
+        out.setdefault("engine.kv.cause", "KV cache starved: requests wait for free blocks (KV-bound, not "
+                                          "queue-bound)")
+        out.pop("cap", None) if not ("max_num_seqs" in keys) else None
+    if kv_ev:
+        out["engine.kv"] = True
+        out["engine.kv.evidence"] = kv_ev
+    return out
