@@ -180,8 +180,8 @@ def detect_family(names: set[str] | Exposition) -> str | None:
     if isinstance(names, Exposition):
         names = names.names()
     counts = {f: sum(1 for n in names if n.startswith(PREFIXES[f])) for f in FAMILIES}
-    best = max(counts, key=lambda f: counts[f])
-    return best if counts[best] else None
+    # in FAMILIES order: our server with --metrics-dialect vllm exposes both and is read as vLLM
+    return next((f for f in FAMILIES if counts[f]), None)
 
 
 def _has(exp_names: set[str], name: str, kind: str) -> bool:

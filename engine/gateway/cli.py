@@ -46,7 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(f"layerscope serve: starting {args.replicas} replica(s) of {args.model} ...", file=sys.stderr, flush=True)
         gateway.start(timeout_s=args.startup_timeout)
-        serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True))
+        serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True),
+              metrics_dialect=args.metrics_dialect)
     finally:
         gateway.shutdown()
     return 0
@@ -61,4 +62,6 @@ def add_parser(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $LAYERSCOPE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the --model path)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the replicas to load")
+    p.add_argument("--metrics-dialect", choices=["vllm"], default=None,
+                   help="also expose /metrics under vLLM v1 names and labels (docs/external.md)")
     p.set_defaults(func=cmd_serve)

@@ -58,7 +58,7 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
+def create_app(gateway: Gateway, api_key: str | None = None, metrics_dialect: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         gateway.attach(asyncio.get_running_loop())
@@ -90,7 +90,13 @@ def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(gateway.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+        text = gateway.metrics_text()
+        if metrics_dialect == "vllm":  # docs/external.md: our registry under vLLM v1 names, too
+            from layerscope.probes.metrics import vllm_cache_config, vllm_dialect
+
+            text += vllm_dialect(text.decode(), vllm_cache_config(gateway.config.to_dict(),
+                                                                   getattr(gateway, "resolved", None))).encode()
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -310,9 +316,9 @@ def serving(gateway: Gateway, startup_timeout_s: float = 300.0):
 
 
 def serve(gateway: Gateway, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-          announce=print) -> None:
+          announce=print, metrics_dialect: str | None = None) -> None:
     """Serve in the foreground until SIGINT/SIGTERM; ``announce`` gets the listening line."""
-    server = _Server(_uvicorn_config(create_app(gateway, api_key), host, port))
+    server = _Server(_uvicorn_config(create_app(gateway, api_key, metrics_dialect), host, port))
 
     async def main() -> None:
         task = asyncio.ensure_future(server.serve())
