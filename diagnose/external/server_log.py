@@ -125,6 +125,8 @@ def _vllm_stats(line: str) -> dict[str, Any] | None:
         if m:
             x = float(m.group(1))
             row[spec[0]] = x / 100 if v.strip().endswith("%") else x
+    if "kv_usage" not in row and "cpu_kv_usage" in row and "num_swapped" not in row:
+        row["kv_usage"] = row.pop("cpu_kv_usage")  # v1 on CPU: the CPU KV cache is the KV cache
     return row or None
 
 
