@@ -158,7 +158,10 @@ def parse_log(text: str) -> ServerLog:
         if m := _V1_INIT.search(line):
             log.family = "vllm"
             log.version = m.group(1).strip() if m.group(1) else log.version
-            log.config.update(key_values(m.group(2)))
+            body = m.group(2).rstrip()
+            if body.count(")") > body.count("("):  # v0.4 closed the config with a stray ")"
+                body = body[: body.rindex(")")]
+            log.config.update(key_values(body))
             continue
         if m := _VERSION.search(line):
             log.family, log.version = "vllm", log.version or m.group(1)
