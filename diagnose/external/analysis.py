@@ -26,6 +26,10 @@ LATENCY = (("ttft_p50_s", "ttft", 0.5, "p50"), ("ttft_p99_s", "ttft", 0.99, "p99
            ("tpot_p50_s", "tpot", 0.5, "p50"), ("tpot_p99_s", "tpot", 0.99, "p99"),
            ("itl_p50_s", "itl", 0.5, "p50"), ("e2e_p50_s", "e2e", 0.5, "p50"))
 THROUGHPUT = "output_tokens_per_s"
+# server-side per-request histograms compared as metrics of their own: name, concept, layer
+SERVER = (("server_queue_time_mean_s", "queue_time", "engine.queue"),
+          ("server_prefill_time_mean_s", "prefill_time", "model.forward"),
+          ("server_decode_time_mean_s", "decode_time", "model.forward"))
 
 
 def _as_run(x: ExternalRun | str | Path) -> ExternalRun:
@@ -134,6 +138,10 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     ta, tb = a.ok["num_output_tokens"].fillna(0).to_numpy(float), b.ok["num_output_tokens"].fillna(0).to_numpy(float)
     metrics[THROUGHPUT] = compare_rate(ta, np.full(len(ta), a.duration_s / max(len(ta), 1)), tb,
                                        np.full(len(tb), b.duration_s / max(len(tb), 1)), rule)
+    for name, concept, _ in SERVER:
+        ha, hb = a.hist(concept), b.hist(concept)
+        if ha is not None and hb is not None:
+            metrics[name] = compare_histograms(ha, hb, rule)
     wdiff = workload_diff(a, b)
     cdiff = engine_diff(a, b)
     sa, sb = ms.server_split(a), ms.server_split(b)
@@ -143,8 +151,13 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     for name, m, q, _ in LATENCY:
         if metrics[name]["significant"]:
             findings += latency_findings(name, m, metrics[name], ctx, cdiff)
-    findings.sort(key=lambda f: -abs(f["delta_s"] or 0) * (2 if f["metric"].startswith("ttft_p50") else 1))
+    causes = _causes(ctx, cdiff)
+    for name, concept, layer in SERVER:
+        if name in metrics and metrics[name]["significant"]:
+            findings.append(server_finding(name, concept, layer, metrics[name], causes, cdiff))
     worse = [k for k, v in metrics.items() if v["significant"] and v["worse"]]
+    # what got worse first, the largest change first
+    findings.sort(key=lambda f: (f["metric"] not in worse, -abs(f["delta_s"] or 0)))
     better = [k for k, v in metrics.items() if v["significant"] and not v["worse"]]
     wl_changed = any(w["material"] for w in wdiff)
     verdict = ("workload_changed" if wl_changed and (worse or better) else "regression" if worse else
@@ -246,3 +259,53 @@ def _causes(ctx: dict, cdiff: list[dict]) -> dict[str, Any]:
         out["engine.kv"] = True
         out["engine.kv.evidence"] = kv_ev
     return out
+
+
+def _var_bound(h: tuple[list[float], list[float], float, float], mean: float) -> float:
+    """The largest variance the bucket counts allow around ``mean``: every observation put at
+    the end of its bucket farthest from the mean (the +Inf bucket's end: the histogram's sum,
+    which no single non-negative observation exceeds)."""
+    bounds, cum, total, n = h
+    acc, prev_b, prev_c = 0.0, 0.0, 0.0
+    for b, c in zip(bounds, cum):
+        k = c - prev_c
+        if k > 0:
+            hi = total if math.isinf(b) else b
+            acc += k * max((prev_b - mean) ** 2, (hi - mean) ** 2)
+        prev_b, prev_c = (prev_b if math.isinf(b) else b), c
+    return acc / n if n > 0 else math.inf
+
+
+def compare_histograms(ha, hb, rule: Rule = DEFAULT_RULE) -> dict:
+    """Compare the means of two histogram deltas (seconds per request) with the rule of
+    ``diagnose.stats`` (minimum effect of a median, absolute size, alpha). Only buckets are
+    known, so the test is a z-test with the largest variance the buckets allow (conservative:
+    a change it calls is there whatever the observations inside the buckets were)."""
+    ma = ha[2] / ha[3] if ha[3] > 0 else math.nan
+    mb = hb[2] / hb[3] if hb[3] > 0 else math.nan
+    out = {"baseline": ma, "candidate": mb, "n_baseline": int(ha[3]), "n_candidate": int(hb[3]), "paired": False}
+    if ha[3] < 5 or hb[3] < 5 or not ma > 0:
+        return {**out, "delta_pct": 100 * (mb / ma - 1) if ma > 0 else math.nan, "ci_pct": None, "p_value": None,
+                "significant": False, "worse": False}
+    se = math.sqrt(_var_bound(ha, ma) / ha[3] + _var_bound(hb, mb) / hb[3])
+    delta = mb - ma
+    z = abs(delta) / se if se > 0 else math.inf
+    p = math.erfc(z / math.sqrt(2))
+    half = 1.959964 * se
+    lo, hi = (delta - half) / ma, (delta + half) / ma
+    sig = abs(delta / ma) >= rule.min_effect["p50"] and abs(delta) >= rule.min_abs_s and p < rule.alpha
+    return {**out, "delta_pct": 100 * delta / ma, "ci_pct": [100 * lo, 100 * hi], "p_value": None, "z_p_value": p,
+            "significant": bool(sig), "worse": bool(sig and delta > 0)}
+
+
+def server_finding(name: str, concept: str, layer: str, metric: dict, causes: dict, cdiff: list[dict]) -> dict:
+    kv = causes.get("engine.kv") and not causes.get("cap")
+    if kv and (layer == "engine.queue" or (concept == "prefill_time" and causes.get("prefix"))):
+        layer = "engine.kv"
+    delta = metric["candidate"] - metric["baseline"]
+    ev = [f"{concept.replace('_', ' ')} {metric['baseline'] * 1e3:.1f} -> {metric['candidate'] * 1e3:.1f} ms per "
+          f"request (server histogram, mean over {metric['n_candidate']} requests)"]
+    ev += list(causes.get(layer + ".evidence", []))
+    return {"metric": name, "layer": layer, "share": 1.0, "delta_s": delta,
+            "cause": causes.get(layer + ".cause", "measured on the server's histograms"), "evidence": ev,
+            "config_changes": [c["key"] for c in cdiff if c["layer"] == layer]}
