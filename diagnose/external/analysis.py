@@ -156,8 +156,10 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
         if name in metrics and metrics[name]["significant"]:
             findings.append(server_finding(name, concept, layer, metrics[name], causes, cdiff))
     worse = [k for k, v in metrics.items() if v["significant"] and v["worse"]]
-    # what got worse first, the largest change first
-    findings.sort(key=lambda f: (f["metric"] not in worse, -abs(f["delta_s"] or 0)))
+    # what got worse first, then the headline metrics first (TTFT p50 leads), then the largest change
+    order = [n for n, *_ in LATENCY[:1]] + [n for n, *_ in SERVER] + [n for n, *_ in LATENCY[1:]]
+    findings.sort(key=lambda f: (f["metric"] not in worse, order.index(f["metric"]) if f["metric"] in order
+                                 else len(order), -abs(f["delta_s"] or 0)))
     better = [k for k, v in metrics.items() if v["significant"] and not v["worse"]]
     wl_changed = any(w["material"] for w in wdiff)
     verdict = ("workload_changed" if wl_changed and (worse or better) else "regression" if worse else
@@ -183,27 +185,26 @@ def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dic
     """Split a significant client-side change over the layers the server's histograms show."""
     sa, sb = ctx["split"]
     total = metric["candidate"] - metric["baseline"]
-    parts: dict[str, float] = {}
-    dq = _d(sa["queue_time_s"], sb["queue_time_s"])
-    if m in ("ttft", "e2e") and dq is not None:
-        parts["engine.queue"] = dq
-    if m == "ttft":
-        dp = _d(sa["prefill_time_s"], sb["prefill_time_s"])
-    elif m == "e2e":
-        dp = _d(sa["inference_time_s"], sb["inference_time_s"])
-    else:  # per token: the decode time per output token the server measured
-        dp = _d(sa["tpot_s"], sb["tpot_s"]) if sa["tpot_s"] is not None else _d(sa["itl_s"], sb["itl_s"])
-    if dp is not None:
-        parts["model.forward"] = dp
+    parts: dict[str, float] = {}  # queue | prefill | decode -> seconds per request
+    if m in ("ttft", "e2e"):
+        parts["queue"] = _d(sa["queue_time_s"], sb["queue_time_s"])
+        parts["prefill"] = _d(sa["prefill_time_s"], sb["prefill_time_s"])
+    if m == "e2e":
+        parts["decode"] = _d(sa["decode_time_s"], sb["decode_time_s"])
+    elif m != "ttft":  # per token: the decode time per output token the server measured
+        parts["decode"] = _d(sa["tpot_s"], sb["tpot_s"]) if sa["tpot_s"] is not None else _d(sa["itl_s"], sb["itl_s"])
+    parts = {k: v for k, v in parts.items() if v is not None}
     causes = _causes(ctx, cdiff)
-    # the KV cache explains a queue or prefill change when its capacity, reuse or preemptions moved
-    relabel = {}
+    # the KV cache explains a queue (or, when reuse collapsed, a prefill) change when its
+    # capacity, reuse or preemptions moved; admission capped by max_num_seqs keeps engine.queue
+    layer_of = {"queue": "engine.queue", "prefill": "model.forward", "decode": "model.forward"}
     if causes.get("engine.kv") and not causes.get("cap"):
-        relabel = {"engine.queue": "engine.kv", "model.forward": "engine.kv"} if causes.get("prefix") else \
-            {"engine.queue": "engine.kv"}
+        layer_of["queue"] = "engine.kv"
+        if causes.get("prefix"):
+            layer_of["prefill"] = "engine.kv"
     merged: dict[str, float] = {}
-    for layer, v in parts.items():
-        merged[relabel.get(layer, layer)] = merged.get(relabel.get(layer, layer), 0.0) + v
+    for part, v in parts.items():
+        merged[layer_of[part]] = merged.get(layer_of[part], 0.0) + v
     findings = []
     label = f"{m.upper()} {name.split('_')[1]}"
     for layer, v in sorted(merged.items(), key=lambda kv: -abs(kv[1])):

@@ -66,6 +66,8 @@ def prefix_cache(r: ExternalRun) -> dict[str, Any]:
     q, h = r.delta("prefix_queries"), r.delta("prefix_hits")
     rate = h / q if q and h is not None else None
     src = "counters (hits / queries over the run)" if rate is not None else None
+    if rate is None and q == 0 and (r.delta("prompt_tokens") or 0) > 0:
+        rate, src = 0.0, "no prefix-cache lookups while prompts were served (caching off)"
     if rate is None:
         g = r.series("prefix_hit_rate")
         if len(g):

@@ -126,3 +126,11 @@ def vllm_runs(tmp_path_factory):
     return out
 
 
+
+
+@pytest.fixture
+def live():
+    """The helpers above, for tests (conftest modules are not importable by name)."""
+    import types
+
+    return types.SimpleNamespace(server=server, free_port=free_port, bench=bench, vllm_argv=vllm_argv)
