@@ -102,19 +102,17 @@ KV_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="session")
-def vllm_runs(tmp_path_factory):
-    from layerscope.engine.models.create import create_model
-
+def vllm_runs(tmp_path_factory, small_model):
     py = vllm_python()
     root = tmp_path_factory.mktemp("vllm-live")
-    model = create_model(root / "small", arch="llama", preset="small", seed=0)
+    model = small_model
     out = {}
     sessions = [
         ("default", [], [("burst", "aa1"), ("burst", "aa2"), ("burst", "aa3"), ("agentic", "agentic1"),
                          ("agentic", "agentic2")]),
         ("seqs2", ["--max-num-seqs", "2"], [("burst", "seqs2")]),
         ("noprefix", ["--no-enable-prefix-caching"], [("agentic", "noprefix")]),
-        ("starved", ["--num-gpu-blocks-override", "4", "--max-model-len", "512"], [("burst", "starved")]),
+        ("starved", ["--num-gpu-blocks-override", "4", "--max-model-len", "256"], [("burst", "starved")]),
     ]
     for name, args, plan in sessions:
         log = root / f"vllm-{name}.log"
@@ -128,9 +126,17 @@ def vllm_runs(tmp_path_factory):
 
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def live():
     """The helpers above, for tests (conftest modules are not importable by name)."""
     import types
 
     return types.SimpleNamespace(server=server, free_port=free_port, bench=bench, vllm_argv=vllm_argv)
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory):
+    """The ``small`` llama both live sessions serve (a prefill long enough to time)."""
+    from layerscope.engine.models.create import create_model
+
+    return create_model(tmp_path_factory.mktemp("small-model") / "small", arch="llama", preset="small", seed=0)
