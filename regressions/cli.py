@@ -17,6 +17,7 @@ in a subprocess per version; tests call them directly).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -255,7 +256,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="drive any OpenAI-compatible server with a workload; write a bundle")
     p.add_argument("--endpoint", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--served-model", default=None, help="model name to request (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=os.environ.get("LAYERSCOPE_API_KEY"),
+                   help="Bearer key of the server (default: $LAYERSCOPE_API_KEY); also used for /metrics")
     p.add_argument("--tokenizer", default=None, help="model directory whose tokenizer sizes prompts exactly")
     p.add_argument("--scrape-interval", type=float, default=1.0, metavar="S",
                    help="scrape the server's /metrics every S seconds during the run (scrapes.parquet)")
