@@ -167,3 +167,28 @@ def test_import_real_vllm_bench_serve_result(tmp_path):
     m = json.loads((tmp_path / "vb" / "manifest.json").read_text())
     assert m["summary"]["client"]["median_ttft_s"] == pytest.approx(d["median_ttft_ms"] / 1e3)
     assert m["engine"]["family"] == "vllm" and m["workload"]["num_requests"] == 24
+
+
+def test_diagnose_cli_on_external_bundles(tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(["import", "metrics", str(V032 / "metrics_before.prom"), str(V032 / "metrics_after.prom"),
+                 "--out", str(out), "--server-log", str(V032 / "server.log")]) == 0
+    capsys.readouterr()
+    assert main(["diagnose", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "vllm 0.32.0" in text and "what vllm's metrics let layerscope see" in text
+    assert "kernel-level: not visible from vLLM's metrics" in text
+    assert main(["diagnose", str(out), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["schema"] == "layerscope.external-report/1" and s["server_split"]["queue_time_s"] >= 0
+    a, b = tmp_path / "a.json", tmp_path / "c.json"
+    a.write_text(json.dumps(_bench_json(60, 0.10, 0)))
+    b.write_text(json.dumps(_bench_json(60, 0.10, 2)))
+    for f in (a, b):
+        assert main(["import", "vllm-bench", str(f)]) == 0
+    capsys.readouterr()
+    assert main(["diagnose", str(tmp_path / "a-bundle"), str(tmp_path / "c-bundle"), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["schema"] == "layerscope.diagnosis/1" and d["verdict"] == "no_change"
+    assert d["metrics"]["ttft_p50_s"]["n_baseline"] == 60  # the client records are used
+    assert "client" in d["external"]["visibility"]["candidate"]["seen"]
