@@ -651,19 +651,22 @@ def write_all(out: Path | str | None = None, metrics: Sequence[MetricDef] = METR
 _NAME_RE = re.compile(r"\blayerscope_[a-z0-9_]+")
 
 
-def _vllm_expr(expr: str) -> str | None:
-    """One PromQL expression rewritten for a vLLM fleet (vLLM v1 names, ``engine`` for
-    ``replica``, no gateway series), or None when it needs a metric vLLM does not have."""
-    from layerscope.probes.metrics import VLLM_NAMES
-
-    from layerscope.probes.metrics import METRICS_BY_NAME
+def _vllm_rename(text: str) -> str:
+    """Our metric names in ``text`` replaced by their vLLM v1 names (others kept)."""
+    from layerscope.probes.metrics import METRICS_BY_NAME, VLLM_NAMES
 
     names = {}
     for ours, theirs in VLLM_NAMES.items():
         names[ours] = theirs
         if METRICS_BY_NAME[ours].type == "histogram":
             names.update({ours + suf: theirs + suf for suf in ("_bucket", "_sum", "_count")})
-    out = _NAME_RE.sub(lambda m: names.get(m.group(0), m.group(0)), expr)
+    return _NAME_RE.sub(lambda m: names.get(m.group(0), m.group(0)), text)
+
+
+def _vllm_expr(expr: str) -> str | None:
+    """One PromQL expression rewritten for a vLLM fleet (vLLM v1 names, ``engine`` for
+    ``replica``, no gateway series), or None when it needs a metric vLLM does not have."""
+    out = _vllm_rename(expr)
     if "layerscope_" in out:
         return None
     out = re.sub(r'\{replica="gateway"\}', "", out)
@@ -691,6 +694,8 @@ def vllm_dialect_files(files: dict[str, str]) -> dict[str, str]:
             d["panels"] = [p for p in panels if p.get("type") != "row" or p.get("panels") != []]
             d["uid"] = d["uid"].replace("layerscope", "vllm")
             d["title"] = d["title"].replace("layerscope", "vLLM (layerscope)")
+            d["description"] = d["description"].replace("a layerscope server", "a vLLM server (or layerscope serve "
+                                                        "--metrics-dialect vllm)")
             d["templating"]["list"] = [_vllm_var(v) for v in d["templating"]["list"]]
             out[new_name] = render_json(d)
         else:
@@ -720,6 +725,8 @@ def _vllm_panel(p: dict) -> bool:
     for t, e in zip(targets, new):
         t["expr"] = e
         t["legendFormat"] = t.get("legendFormat", "").replace("replica", "engine")
+    if isinstance(p.get("description"), str):
+        p["description"] = _vllm_rename(p["description"]).replace("replica", "engine")
     return True
 
 
