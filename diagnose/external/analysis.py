@@ -164,8 +164,8 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     wl_changed = any(w["material"] for w in wdiff)
     verdict = ("workload_changed" if wl_changed and (worse or better) else "regression" if worse else
                "improvement" if better else "no_change")
-    for c in cdiff:
-        c["consistent"] = (any(f["layer"] == c["layer"] for f in findings) if findings else None) if c["layer"] else None
+    for c in cdiff:  # a changed key is consistent when a finding names the layer it acts on
+        c["consistent"] = any(f["layer"] == c["layer"] for f in findings) if c["layer"] and findings else None
     primary = {"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings else None
     return {"schema": SCHEMA, "baseline": a.name, "candidate": b.name, "verdict": verdict, "metrics": metrics,
             "findings": findings, "primary": primary, "config_diff": cdiff, "workload_diff": wdiff,
@@ -229,9 +229,11 @@ def _causes(ctx: dict, cdiff: list[dict]) -> dict[str, Any]:
     (ka, kb), (pa, pb), (ba, bb) = ctx["kv"], ctx["prefix"], ctx["batch"]
     out: dict[str, Any] = {}
     keys = {c["key"]: c for c in cdiff}
-    # admission capped by max_num_seqs
-    if bb["capped_share"] and (bb["capped_share"] or 0) > (ba["capped_share"] or 0) + 0.1 or (
-            "max_num_seqs" in keys and bb["waiting_mean"] and (bb["waiting_mean"] or 0) > (ba["waiting_mean"] or 0)):
+    # admission capped by max_num_seqs: running sat at the cap with requests waiting more often than
+    # before, or the cap itself changed and requests now wait
+    capped_more = (bb["capped_share"] or 0) > (ba["capped_share"] or 0) + 0.1
+    cap_changed = "max_num_seqs" in keys and (bb["waiting_mean"] or 0) > (ba["waiting_mean"] or 0)
+    if capped_more or cap_changed:
         out["cap"] = True
         out["engine.queue.cause"] = (f"admission capped: max_num_seqs {keys['max_num_seqs']['baseline']} -> "
                                      f"{keys['max_num_seqs']['candidate']}" if "max_num_seqs" in keys
@@ -255,7 +257,8 @@ def _causes(ctx: dict, cdiff: list[dict]) -> dict[str, Any]:
                      f"{_pct(kb['usage_max'])}; preemptions {pre_a:.0f} -> {pre_b:.0f}")
         out.setdefault("engine.kv.cause", "KV cache starved: requests wait for free blocks (KV-bound, not "
                                           "queue-bound)")
-        out.pop("cap", None) if not ("max_num_seqs" in keys) else None
+        if "max_num_seqs" not in keys:  # KV-bound: the cap did not change, the KV cache did
+            out.pop("cap", None)
     if kv_ev:
         out["engine.kv"] = True
         out["engine.kv.evidence"] = kv_ev
