@@ -107,6 +107,14 @@ def single_findings(r: ExternalRun, split, kv, pc, bt) -> list[dict[str, Any]]:
 
 
 # ---- two runs -------------------------------------------------------------------------------------
+COALESCED = 0.3  # share of client token gaps under 0.1 ms above which per-token timings are not measurable
+
+
+def _coalesced_share(r: ExternalRun) -> float:
+    itl = r.itl_values
+    return float(np.mean(itl < 1e-4)) if len(itl) else 0.0
+
+
 def _paired(a: ExternalRun, b: ExternalRun) -> bool:
     return len(a.ok) == len(b.ok) and len(a.ok) > 0 and a.workload == b.workload and (
         a.ok["num_prompt_tokens"].fillna(-1).to_numpy() == b.ok["num_prompt_tokens"].fillna(-1).to_numpy()).all()
@@ -132,9 +140,15 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     a, b = _as_run(baseline), _as_run(candidate)
     paired = _paired(a, b)
     metrics: dict[str, dict] = {}
+    coalesced = {r.name: _coalesced_share(r) for r in (a, b)}
     for name, m, q, kind in LATENCY:
         pair = paired and m != "itl"
         metrics[name] = compare_quantile(_values(a, m), _values(b, m), q, kind, rule, paired=pair)
+        if m in ("itl", "tpot") and max(coalesced.values()) >= COALESCED:
+            # per-token timings are not measurable when tokens arrive together: never called
+            metrics[name].update(significant=False, worse=False, unreliable=(
+                f"{100 * max(coalesced.values()):.0f}% of client token gaps are under 0.1 ms (the server sent "
+                "tokens together): client-side per-token latency is not measurable"))
     ta, tb = a.ok["num_output_tokens"].fillna(0).to_numpy(float), b.ok["num_output_tokens"].fillna(0).to_numpy(float)
     metrics[THROUGHPUT] = compare_rate(ta, np.full(len(ta), a.duration_s / max(len(ta), 1)), tb,
                                        np.full(len(tb), b.duration_s / max(len(tb), 1)), rule)
@@ -280,6 +294,20 @@ def _var_bound(h: tuple[list[float], list[float], float, float], mean: float) ->
     return acc / n if n > 0 else math.inf
 
 
+def _bd_bound(h: tuple[list[float], list[float], float, float], mean: float) -> float:
+    """Bhatia-Davis: a variable in [lo, hi] with mean mu has variance <= (hi - mu)(mu - lo);
+    lo, hi the ends of the lowest and highest non-empty buckets (+Inf: the sum)."""
+    bounds, cum, total, _ = h
+    lo = hi = None
+    prev_b, prev_c = 0.0, 0.0
+    for b, c in zip(bounds, cum):
+        if c - prev_c > 0:
+            lo = prev_b if lo is None else lo
+            hi = total if math.isinf(b) else b
+        prev_b, prev_c = (prev_b if math.isinf(b) else b), c
+    return max(0.0, (hi - mean) * (mean - lo)) if lo is not None else math.inf
+
+
 def compare_histograms(ha, hb, rule: Rule = DEFAULT_RULE) -> dict:
     """Compare the means of two histogram deltas (seconds per request) with the rule of
     ``diagnose.stats`` (minimum effect of a median, absolute size, alpha). Only buckets are
@@ -291,7 +319,7 @@ def compare_histograms(ha, hb, rule: Rule = DEFAULT_RULE) -> dict:
     if ha[3] < 5 or hb[3] < 5 or not ma > 0:
         return {**out, "delta_pct": 100 * (mb / ma - 1) if ma > 0 else math.nan, "ci_pct": None, "p_value": None,
                 "significant": False, "worse": False}
-    se = math.sqrt(_var_bound(ha, ma) / ha[3] + _var_bound(hb, mb) / hb[3])
+    se = math.sqrt(min(_var_bound(ha, ma), _bd_bound(ha, ma)) / ha[3] + min(_var_bound(hb, mb), _bd_bound(hb, mb)) / hb[3])
     delta = mb - ma
     z = abs(delta) / se if se > 0 else math.inf
     p = math.erfc(z / math.sqrt(2))

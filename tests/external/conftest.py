@@ -117,8 +117,8 @@ def vllm_runs(tmp_path_factory, small_model):
     for name, args, plan in sessions:
         log = root / f"vllm-{name}.log"
         with server(vllm_argv(py, model, *args), log, KV_ENV) as url:
-            for workload in dict.fromkeys(w for w, _ in plan):  # warm-up per workload, not kept
-                bench(url, workload, root / f"warm-{name}-{workload}", None, "--num-requests", "8")
+            for workload in dict.fromkeys(w for w, _ in plan):  # a whole warm-up run per workload, not kept:
+                bench(url, workload, root / f"warm-{name}-{workload}")  # compiled shapes, filled caches
             for workload, key in plan:
                 out[key] = bench(url, workload, root / key, log)
     return out

@@ -35,7 +35,7 @@ def our_runs(tmp_path_factory, small_model, live):
                 if "vllm:request_queue_time_seconds_count" not in text:
                     pytest.skip("this build exports no engine-side metrics with --probes off")
             for workload in dict.fromkeys(w for w, _ in plan):
-                live.bench(url, workload, root / f"warm-{name}-{workload}", None, "--num-requests", "8")
+                live.bench(url, workload, root / f"warm-{name}-{workload}")
             for workload, key in plan:
                 out[key] = live.bench(url, workload, root / key)
     return out
