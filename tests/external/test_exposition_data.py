@@ -161,3 +161,21 @@ def test_docs_name_table_is_the_map():
         assert f"| {fam} | {concept} | `{name}` | {versions} | {layer} | {unit} |" in table, name
     for fam, concepts in NAMES.items():
         assert set(concepts) <= set(CONCEPTS)
+
+
+def test_histogram_mean_comparison_is_conservative():
+    from layerscope.diagnose.external.analysis import compare_histograms
+
+    inf = math.inf
+    same = ([0.3, 1.0, inf], [40.0, 48.0, 48.0], 48 * 0.2, 48.0)
+    assert not compare_histograms(same, same)["significant"]
+    # vLLM's queue-time buckets start at 0.3 s: everything in the first bucket, mean 0 -> 77 ms
+    a = ([0.3, 0.5, inf], [48.0, 48.0, 48.0], 48 * 1e-5, 48.0)
+    b = ([0.3, 0.5, inf], [48.0, 48.0, 48.0], 48 * 0.077, 48.0)
+    r = compare_histograms(a, b)
+    assert r["significant"] and r["worse"] and r["z_p_value"] < 0.01
+    few = ([0.3, 0.5, inf], [6.0, 6.0, 6.0], 6 * 1e-5, 6.0), ([0.3, 0.5, inf], [6.0, 6.0, 6.0], 6 * 0.077, 6.0)
+    assert not compare_histograms(*few)["significant"]  # 6 requests: the bound cannot exclude noise
+    # one observation in +Inf: the bound widens to the sum, the test stays valid
+    c = ([0.3, 0.5, inf], [47.0, 47.0, 48.0], 47 * 0.05 + 30.0, 48.0)
+    assert compare_histograms(a, c)["ci_pct"][0] < 0 or not compare_histograms(a, c)["significant"]
