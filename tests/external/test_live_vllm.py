@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # the module session starts servers
 def _diag(a, b):
     from layerscope.diagnose.external.analysis import compare_external
 
