@@ -107,6 +107,7 @@ def single_findings(r: ExternalRun, split, kv, pc, bt) -> list[dict[str, Any]]:
 
 
 # ---- two runs -------------------------------------------------------------------------------------
+HARDWARE = "model compute changed with no config or version change: the machine (contention, clocks, hardware)"
 COALESCED = 0.3  # share of client token gaps under 0.1 ms above which per-token timings are not measurable
 
 
@@ -216,6 +217,8 @@ def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dic
         layer_of["queue"] = "engine.kv"
         if causes.get("prefix"):
             layer_of["prefill"] = "engine.kv"
+    if not cdiff:  # compute slower with no config or version change: the machine (DESIGN.md: hardware)
+        layer_of = {k: ("hardware" if v == "model.forward" else v) for k, v in layer_of.items()}
     merged: dict[str, float] = {}
     for part, v in parts.items():
         merged[layer_of[part]] = merged.get(layer_of[part], 0.0) + v
@@ -229,7 +232,8 @@ def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dic
         ev.insert(0, f"{layer}: {v * 1e3:+.1f} ms per request (server histograms, mean) of a {total * 1e3:+.1f} ms "
                      f"change in client {label}")
         findings.append({"metric": name, "layer": layer, "share": share, "delta_s": v,
-                         "cause": causes.get(layer + ".cause", "measured on the server's histograms"),
+                         "cause": causes.get(layer + ".cause", HARDWARE if layer == "hardware" else
+                                             "measured on the server's histograms"),
                          "evidence": ev, "config_changes": [c["key"] for c in cdiff if c["layer"] == layer]})
     if not findings:
         findings.append({"metric": name, "layer": "client" if not parts else "engine.output", "share": None,
@@ -334,10 +338,13 @@ def server_finding(name: str, concept: str, layer: str, metric: dict, causes: di
     kv = causes.get("engine.kv") and not causes.get("cap")
     if kv and (layer == "engine.queue" or (concept == "prefill_time" and causes.get("prefix"))):
         layer = "engine.kv"
+    if layer == "model.forward" and not cdiff:
+        layer = "hardware"
     delta = metric["candidate"] - metric["baseline"]
     ev = [f"{concept.replace('_', ' ')} {metric['baseline'] * 1e3:.1f} -> {metric['candidate'] * 1e3:.1f} ms per "
           f"request (server histogram, mean over {metric['n_candidate']} requests)"]
     ev += list(causes.get(layer + ".evidence", []))
     return {"metric": name, "layer": layer, "share": 1.0, "delta_s": delta,
-            "cause": causes.get(layer + ".cause", "measured on the server's histograms"), "evidence": ev,
+            "cause": causes.get(layer + ".cause", HARDWARE if layer == "hardware" else
+                                "measured on the server's histograms"), "evidence": ev,
             "config_changes": [c["key"] for c in cdiff if c["layer"] == layer]}
