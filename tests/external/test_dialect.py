@@ -59,3 +59,14 @@ def test_dashboards_in_the_vllm_dialect(tmp_path):
             exprs = [t["expr"] for p in d["panels"] for s in [p, *p.get("panels", [])] for t in s.get("targets", [])]
             assert exprs and not any("replica" in e for e in exprs)
     assert main(["dashboards", "build", "--dialect", "vllm", "--out", str(tmp_path), "--check"]) == 0
+
+
+def test_external_diagnosis_is_torch_and_engine_free():
+    import subprocess
+    import sys
+
+    code = ("import sys; import layerscope.diagnose.external.analysis, layerscope.diagnose.external.cli, "
+            "layerscope.diagnose.external.server_log; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('layerscope.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
