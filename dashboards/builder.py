@@ -24,6 +24,7 @@ rebuild is byte-identical.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -644,3 +645,96 @@ def write_all(out: Path | str | None = None, metrics: Sequence[MetricDef] = METR
         path.write_text(text, encoding="utf-8")
         written.append(path)
     return written
+
+
+# ---- the vLLM dialect (``layerscope dashboards build --dialect vllm``) --------------------------------
+_NAME_RE = re.compile(r"\blayerscope_[a-z0-9_]+")
+
+
+def _vllm_rename(text: str) -> str:
+    """Our metric names in ``text`` replaced by their vLLM v1 names (others kept)."""
+    from layerscope.probes.metrics import METRICS_BY_NAME, VLLM_NAMES
+
+    names = {}
+    for ours, theirs in VLLM_NAMES.items():
+        names[ours] = theirs
+        if METRICS_BY_NAME[ours].type == "histogram":
+            names.update({ours + suf: theirs + suf for suf in ("_bucket", "_sum", "_count")})
+    return _NAME_RE.sub(lambda m: names.get(m.group(0), m.group(0)), text)
+
+
+def _vllm_expr(expr: str) -> str | None:
+    """One PromQL expression rewritten for a vLLM fleet (vLLM v1 names, ``engine`` for
+    ``replica``, no gateway series), or None when it needs a metric vLLM does not have."""
+    out = _vllm_rename(expr)
+    if "layerscope_" in out:
+        return None
+    out = re.sub(r'\{replica="gateway"\}', "", out)
+    out = re.sub(r',?\s*replica="gateway"', "", out)
+    return re.sub(r"\breplica\b", "engine", out)
+
+
+def vllm_dialect_files(files: dict[str, str]) -> dict[str, str]:
+    """The dashboards and rules of ``render_all`` for vLLM servers (and ``layerscope serve
+    --metrics-dialect vllm``): panels and rules whose metrics vLLM lacks are left out."""
+    import yaml
+
+    out: dict[str, str] = {}
+    for fname, text in files.items():
+        new_name = fname.replace("layerscope", "vllm")
+        if fname.endswith(".json"):
+            d = json.loads(text)
+            panels = []
+            for p in d["panels"]:
+                subs = p.get("panels")
+                if subs is not None:
+                    p["panels"] = [s for s in subs if _vllm_panel(s)]
+                if p.get("type") == "row" or _vllm_panel(p):
+                    panels.append(p)
+            d["panels"] = [p for p in panels if p.get("type") != "row" or p.get("panels") != []]
+            d["uid"] = d["uid"].replace("layerscope", "vllm")
+            d["title"] = d["title"].replace("layerscope", "vLLM (layerscope)")
+            d["description"] = d["description"].replace("a layerscope server", "a vLLM server (or layerscope serve "
+                                                        "--metrics-dialect vllm)")
+            d["templating"]["list"] = [_vllm_var(v) for v in d["templating"]["list"]]
+            out[new_name] = render_json(d)
+        else:
+            rules = yaml.safe_load(text)
+            for g in rules["groups"]:
+                g["name"] = g["name"].replace("layerscope", "vllm")
+                kept = []
+                for r in g["rules"]:
+                    e = _vllm_expr(r["expr"].replace(":layerscope_", ":vllm_"))
+                    if e is None:
+                        continue
+                    r["expr"] = e
+                    if "record" in r:
+                        r["record"] = r["record"].replace(":layerscope_", ":vllm_").replace("replica", "engine")
+                    kept.append(r)
+                g["rules"] = kept
+            header = text[: text.index("groups:")].replace("layerscope's SLOs", "a vLLM fleet's SLOs").replace("layerscope-rules.yml", "vllm-rules.yml")
+            out[new_name] = header + yaml.safe_dump(rules, sort_keys=False, default_flow_style=False, width=100000)
+    return out
+
+
+def _vllm_panel(p: dict) -> bool:
+    targets = p.get("targets", [])
+    new = [_vllm_expr(t["expr"]) for t in targets]
+    if not targets or any(e is None for e in new):
+        return False
+    for t, e in zip(targets, new):
+        t["expr"] = e
+        t["legendFormat"] = t.get("legendFormat", "").replace("replica", "engine")
+    if isinstance(p.get("description"), str):
+        p["description"] = _vllm_rename(p["description"]).replace("replica", "engine")
+    return True
+
+
+def _vllm_var(v: dict) -> dict:
+    v = json.loads(json.dumps(v).replace('"replica"', '"engine"').replace("$replica", "$engine"))
+    for key in ("definition",):
+        if isinstance(v.get(key), str):
+            v[key] = _vllm_expr(v[key]) or v[key]
+    if isinstance(v.get("query"), dict):
+        v["query"]["query"] = _vllm_expr(v["query"]["query"]) or v["query"]["query"]
+    return v

@@ -47,6 +47,12 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if len(args.runs) > 2:
         print("layerscope diagnose: give one run, or a baseline and a candidate", file=sys.stderr)
         return 2
+    from layerscope.diagnose.external.run import is_external
+
+    if any(is_external(r) for r in args.runs):  # vLLM/SGLang/bench bundles: docs/external.md
+        from layerscope.diagnose.external.cli import diagnose_external
+
+        return diagnose_external(args, _emit)
     try:
         if len(args.runs) == 1:
             from layerscope.diagnose.report import summarize

@@ -79,6 +79,12 @@ def meets_slo(bd: pd.DataFrame, slo: dict[str, float]) -> np.ndarray:
 
 def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Path | RunAnalysis, *,
             slo: dict[str, float] | None = None, rule: Rule = DEFAULT_RULE) -> Comparison:
+    from layerscope.diagnose.external.run import is_external
+
+    if any(isinstance(x, (str, Path)) and is_external(x) for x in (baseline, candidate)):
+        from layerscope.diagnose.external.analysis import compare_external  # docs/external.md
+
+        return Comparison(diagnosis=compare_external(baseline, candidate, rule=rule))
     a = baseline if isinstance(baseline, RunAnalysis) else RunAnalysis(baseline)
     b = candidate if isinstance(candidate, RunAnalysis) else RunAnalysis(candidate)
     cdiff = config_diff(a.run, b.run)

@@ -252,3 +252,84 @@ def merge_exposition(texts: list[str]) -> str:
             )
             out.append(f"{s.name}{{{labels}}} {floatToGoString(s.value)}" if labels else f"{s.name} {floatToGoString(s.value)}")
     return "\n".join(out) + "\n"
+
+
+# ---- the vLLM dialect (``layerscope serve --metrics-dialect vllm``) -----------------------------------
+# registry name -> vLLM v1 name (docs/external.md): vLLM-targeted dashboards, alert rules, autoscalers
+# and layerscope's own external adapter read our server under these names.
+VLLM_NAMES: dict[str, str] = {
+    "layerscope_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "layerscope_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+    "layerscope_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "layerscope_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "layerscope_request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "layerscope_request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
+    "layerscope_request_decode_time_seconds": "vllm:request_decode_time_seconds",
+    "layerscope_num_requests_running": "vllm:num_requests_running",
+    "layerscope_num_requests_waiting": "vllm:num_requests_waiting",
+    "layerscope_kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "layerscope_prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+    "layerscope_prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
+    "layerscope_num_preemptions_total": "vllm:num_preemptions_total",
+    "layerscope_prompt_tokens_total": "vllm:prompt_tokens_total",
+    "layerscope_generation_tokens_total": "vllm:generation_tokens_total",
+    "layerscope_request_success_total": "vllm:request_success_total",
+    "layerscope_batch_tokens": "vllm:iteration_tokens_total",
+}
+
+
+def _vllm_name(sample_name: str) -> tuple[str, str] | None:
+    """(vLLM family name, its sample name) of one of our sample names, or None."""
+    for ours, theirs in VLLM_NAMES.items():
+        base = ours[: -len("_total")] if ours.endswith("_total") and not theirs.endswith("iteration_tokens_total") \
+            else ours
+        if sample_name == ours:
+            return theirs, theirs
+        for suffix in ("_bucket", "_sum", "_count"):
+            if sample_name == ours + suffix and METRICS_BY_NAME[ours].type == "histogram":
+                return theirs, theirs + suffix
+        if base != ours and sample_name == base + "_total":
+            return theirs, theirs
+    return None
+
+
+def vllm_dialect(text: str, cache_config: dict[str, Any] | None = None) -> str:
+    """The samples of ``text`` (our exposition) under vLLM v1 names and labels: ``model_name``
+    kept, ``replica`` becomes ``engine`` (the gateway's series keep ``engine="gateway"``);
+    plus ``vllm:cache_config_info`` carrying ``cache_config`` as labels. Appended to our own
+    names by the server, never instead of them."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.utils import floatToGoString
+
+    out: list[str] = []
+    seen: set[str] = set()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            mapped = _vllm_name(s.name)
+            if mapped is None:
+                continue
+            family, name = mapped
+            if family not in seen:
+                seen.add(family)
+                mtype = METRICS_BY_NAME[next(k for k, v in VLLM_NAMES.items() if v == family)].type
+                out += [f"# HELP {family} {fam.documentation} (layerscope, vLLM dialect)", f"# TYPE {family} {mtype}"]
+            labels = {("engine" if k == "replica" else k): v for k, v in s.labels.items()}
+            lab = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out.append(f"{name}{{{lab}}} {floatToGoString(s.value)}")
+    if cache_config is not None:
+        lab = ",".join(f'{k}="{v}"' for k, v in sorted(cache_config.items()))
+        out += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig (layerscope, vLLM dialect)",
+                "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{lab}}} 1.0"]
+    return "\n".join(out) + "\n" if out else ""
+
+
+def vllm_cache_config(config: dict[str, Any], resolved: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``vllm:cache_config_info`` labels from our config (vLLM's label names where the concept
+    is the same; ``max_num_seqs``/``max_num_batched_tokens`` are layerscope additions, which
+    vLLM only prints in its log)."""
+    r = resolved[0] if resolved else {}
+    out = {"block_size": config.get("block_size"), "enable_prefix_caching": config.get("enable_prefix_caching"),
+           "num_gpu_blocks": r.get("num_kv_blocks") or config.get("num_kv_blocks"),
+           "max_num_seqs": config.get("max_num_seqs"), "max_num_batched_tokens": config.get("max_num_batched_tokens"),
+           "engine": "0"}
+    return {k: v for k, v in out.items() if v is not None}

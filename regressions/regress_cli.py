@@ -8,6 +8,7 @@ written then), or the baseline could not be measured.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 
@@ -35,6 +36,8 @@ def add_regress_parser(subparsers) -> None:
     p.add_argument("--repetitions", type=int, metavar="N", help="override the suite's repetitions")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object instead of the table")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--api-key", default=None,
+                   help="API key of endpoint:URL versions (passed to their bench runs as $LAYERSCOPE_API_KEY)")
     p.set_defaults(func=cmd_regress)
 
 
@@ -48,6 +51,8 @@ def cmd_regress(args: argparse.Namespace) -> int:
     from layerscope.regressions.suite import load_suite
 
     err = Console(stderr=True)
+    if args.api_key:  # the bench subprocesses read it from the environment, never from their argv
+        os.environ["LAYERSCOPE_API_KEY"] = args.api_key
     try:
         suite = load_suite(args.suite)
         if args.repetitions is not None:

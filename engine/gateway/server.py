@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -58,7 +58,11 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
+def create_app(gateway: Gateway, api_key: str | None = None,
+               metrics_extra: Callable[[Gateway, bytes], bytes] | None = None) -> FastAPI:
+    """``metrics_extra(gateway, exposition)``: more exposition text appended to /metrics (e.g. the
+    registry under vLLM's names, which ``layerscope serve --metrics-dialect vllm`` hands in)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         gateway.attach(asyncio.get_running_loop())
@@ -90,7 +94,10 @@ def create_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
     async def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(gateway.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+        text = gateway.metrics_text()
+        if metrics_extra is not None:
+            text += metrics_extra(gateway, text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -310,9 +317,9 @@ def serving(gateway: Gateway, startup_timeout_s: float = 300.0):
 
 
 def serve(gateway: Gateway, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-          announce=print) -> None:
+          announce=print, metrics_extra: Callable[[Gateway, bytes], bytes] | None = None) -> None:
     """Serve in the foreground until SIGINT/SIGTERM; ``announce`` gets the listening line."""
-    server = _Server(_uvicorn_config(create_app(gateway, api_key), host, port))
+    server = _Server(_uvicorn_config(create_app(gateway, api_key, metrics_extra), host, port))
 
     async def main() -> None:
         task = asyncio.ensure_future(server.serve())

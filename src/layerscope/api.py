@@ -134,10 +134,14 @@ def _scrape(endpoint: str, api_key: str | None) -> str | None:
 # ---- bench ----------------------------------------------------------------------------------------
 def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Mapping[str, Any] | None = None,
           served_model: str | None = None, api_key: str | None = None, tokenizer: str | Path | None = None,
-          overwrite: bool = False, timeout_s: float = 300.0, progress: bool = False) -> Path:
+          overwrite: bool = False, timeout_s: float = 300.0, progress: bool = False,
+          scrape_interval_s: float = 1.0, server_log: str | Path | None = None) -> Path:
     """Drive ``endpoint`` (an OpenAI-compatible server's base URL) with ``workload``; write a
     client-side bundle to ``out`` and return its path. ``tokenizer``: a model directory whose
-    tokenizer sizes prompts exactly; ``timeout_s``: per request."""
+    tokenizer sizes prompts exactly; ``timeout_s``: per request. The server's /metrics is scraped
+    every ``scrape_interval_s`` during the run (scrapes.parquet); ``server_log``: the engine's own
+    log (vLLM, SGLang), whose config and periodic stats go into the bundle (docs/external.md)."""
+    from layerscope.regressions import capture
     from layerscope.regressions.load.loadgen import run_load
 
     spec = load_workload(workload, workload_params)
@@ -150,8 +154,13 @@ def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Map
     out = Path(out)
     _check_out(out, overwrite)
     before = _scrape(endpoint, api_key)
-    result = run_load(endpoint, spec, requests, model=served_model, api_key=api_key, progress=progress,
-                      timeout_s=timeout_s)
+    scraper = capture.Scraper(endpoint, scrape_interval_s, api_key).start() if before else None
+    try:
+        result = run_load(endpoint, spec, requests, model=served_model, api_key=api_key, progress=progress,
+                          timeout_s=timeout_s)
+    finally:
+        if scraper is not None:
+            scraper.stop()
     after = _scrape(endpoint, api_key)
     # the server's config is unknown to a client: the manifest's config stays empty, and the
     # endpoint goes with the client's summary
@@ -167,8 +176,9 @@ def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Map
     writer.start_ns, writer.end_ns = result.start_ns, result.end_ns
     writer.add_request_fields(client_rows(result))
     path = writer.write()
-    if before is not None:
-        (path / "metrics_before.prom").write_text(before)
+    log = capture.read_server_log(server_log)
+    capture.finish_bundle(path, before=before, after=after, scraper=scraper, log=log, itls=capture.client_itls(result),
+                          info=capture.engine_info(endpoint, api_key, after or before, log))
     return path
 
 

@@ -116,7 +116,8 @@ def _register_optional() -> None:
     if EXTRA_PARSERS:  # once per process: main() may be called repeatedly (tests)
         return
     for mod in ("layerscope.demo", "layerscope.serve", "layerscope.run_cli", "layerscope.regressions.cli",
-                "layerscope.diagnose.cli", "layerscope.diagnose.tui.cli", "layerscope.dashboards.cli"):
+                "layerscope.diagnose.cli", "layerscope.diagnose.tui.cli", "layerscope.dashboards.cli",
+                "layerscope.regressions.external_cli"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     path = bench(endpoint=args.endpoint, workload=args.workload, out=args.out, workload_params=workload_params(args),
                  served_model=args.served_model, api_key=args.api_key, tokenizer=args.tokenizer,
+                 scrape_interval_s=args.scrape_interval, server_log=args.server_log,
                  overwrite=args.overwrite, timeout_s=args.timeout, progress=_progress(args))
     print_summary(path, args.endpoint)
     return 0
@@ -90,8 +92,13 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="drive any OpenAI-compatible server with a workload; write a bundle")
     p.add_argument("--endpoint", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--served-model", default=None, help="model name to request (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=os.environ.get("LAYERSCOPE_API_KEY"),
+                   help="Bearer key of the server (default: $LAYERSCOPE_API_KEY); also used for /metrics")
     p.add_argument("--tokenizer", default=None, help="model directory whose tokenizer sizes prompts exactly")
+    p.add_argument("--scrape-interval", type=float, default=1.0, metavar="S",
+                   help="scrape the server's /metrics every S seconds during the run (scrapes.parquet)")
+    p.add_argument("--server-log", default=None, metavar="FILE",
+                   help="the engine's own log (vLLM, SGLang): its config and periodic stats go into the bundle")
     add_workload_args(p)
     p.set_defaults(func=cmd_bench)
 

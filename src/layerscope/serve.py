@@ -23,10 +23,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(f"layerscope serve: starting {args.replicas} replica(s) of {args.model} ...", file=sys.stderr, flush=True)
         gateway.start(timeout_s=args.startup_timeout)
-        serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True))
+        serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True),
+              metrics_extra=_vllm_dialect if args.metrics_dialect == "vllm" else None)
     finally:
         gateway.shutdown()
     return 0
+
+
+def _vllm_dialect(gateway, text: bytes) -> bytes:
+    """docs/external.md: the registry under vLLM v1 names and labels, beside our own."""
+    from layerscope.probes.metrics import vllm_cache_config, vllm_dialect
+
+    return vllm_dialect(text.decode(), vllm_cache_config(gateway.config.to_dict(),
+                                                         getattr(gateway, "resolved", None))).encode()
 
 
 def add_parser(subparsers) -> None:
@@ -40,4 +49,6 @@ def add_parser(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $LAYERSCOPE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the --model path)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the replicas to load")
+    p.add_argument("--metrics-dialect", choices=["vllm"], default=None,
+                   help="also expose /metrics under vLLM v1 names and labels (docs/external.md)")
     p.set_defaults(func=cmd_serve)

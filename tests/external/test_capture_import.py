@@ -1,0 +1,194 @@
+"""Capture (watch against our real server) and import (saved /metrics, benchmark results):
+bundles that diagnose reads, figures checked against an independent parse."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from layerscope.cli import main
+from layerscope.diagnose.external.analysis import compare_external, summarize_external
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "external"
+V032 = DATA / "vllm-0.32.0-cpu"
+
+
+def _mean(text_before: str, text_after: str, family: str) -> float:
+    def sc(text):
+        s = c = 0.0
+        for fam in text_string_to_metric_families(text):
+            for x in fam.samples:
+                s += x.value if x.name == family + "_sum" else 0.0
+                c += x.value if x.name == family + "_count" else 0.0
+        return s, c
+    (sb, cb), (sa, ca) = sc(text_before), sc(text_after)
+    return (sa - sb) / (ca - cb)
+
+
+def test_import_two_scrapes_gives_the_server_split(tmp_path):
+    out = tmp_path / "b"
+    assert main(["import", "metrics", str(V032 / "metrics_before.prom"), str(V032 / "metrics_after.prom"),
+                 "--out", str(out), "--server-log", str(V032 / "server.log")]) == 0
+    s = summarize_external(out)
+    before, after = (V032 / "metrics_before.prom").read_text(), (V032 / "metrics_after.prom").read_text()
+    sp = s["server_split"]
+    for key, fam in (("e2e_s", "vllm:e2e_request_latency_seconds"), ("queue_time_s", "vllm:request_queue_time_seconds"),
+                     ("decode_time_s", "vllm:request_decode_time_seconds")):
+        assert sp[key] == pytest.approx(_mean(before, after, fam), rel=1e-9)
+    assert sp["frontend_output_s"] == pytest.approx(sp["e2e_s"] - sp["queue_time_s"] - sp["inference_time_s"])
+    assert sp["e2e_count"] == 48
+    assert s["engine"] == {"family": "vllm", "version": "0.32.0"}
+    assert s["kv"]["capacity_tokens"] == 524288
+    assert "kernel.compute" in s["visibility"]["not_seen"] and "engine.queue" in s["visibility"]["seen"]
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["engine"]["non_default_args"]["model"] == "/tmp/ls-small"
+    assert m["external"]["server_log"]["num_skipped"] > 0
+
+
+def test_import_one_scrape_is_a_snapshot(tmp_path):
+    out = tmp_path / "one"
+    assert main(["import", "metrics", str(V032 / "metrics_after.prom"), "--out", str(out)]) == 0
+    s = summarize_external(out)
+    assert s["server_split"]["e2e_count"] > 48  # since the server started: every request it served
+
+
+def test_import_errors_name_what_is_wrong(tmp_path, capsys):
+    bad = tmp_path / "x.prom"
+    bad.write_text("hello\n")
+    assert main(["import", "metrics", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "no Prometheus samples" in capsys.readouterr().err
+    j = tmp_path / "r.json"
+    j.write_text(json.dumps({"foo": 1}))
+    assert main(["import", "vllm-bench", str(j), "--out", str(tmp_path / "o2")]) == 2
+    assert "expected keys completed, duration; found foo" in capsys.readouterr().err
+    assert main(["import", "vllm-bench", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def _bench_json(n: int, ttft: float, seed: int) -> dict:
+    import random
+
+    rng = random.Random(seed)
+    ttfts = [ttft * (0.9 + 0.2 * rng.random()) for _ in range(n)]
+    itls = [[0.01 * (0.9 + 0.2 * rng.random()) for _ in range(15)] for _ in range(n)]
+    return {"duration": 5.0, "completed": n, "num_prompts": n, "request_rate": 10.0, "input_lens": [64] * n,
+            "output_lens": [16] * n, "ttfts": ttfts, "itls": itls,
+            "latencies": [t + sum(i) for t, i in zip(ttfts, itls)], "start_times": [0.1 * k for k in range(n)],
+            "errors": [""] * n, "mean_ttft_ms": 1e3 * sum(ttfts) / n}
+
+
+def test_import_vllm_bench_per_request_and_compare(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_bench_json(60, 0.10, 0)))
+    b.write_text(json.dumps(_bench_json(60, 0.25, 1)))
+    for f in (a, b):
+        assert main(["import", "vllm-bench", str(f)]) == 0
+    ra, rb = tmp_path / "a-bundle", tmp_path / "b-bundle"
+    s = summarize_external(ra)
+    assert s["latency"]["ttft"]["count"] == 60 and s["latency"]["itl"]["count"] == 60 * 15
+    assert s["latency"]["ttft"]["p50"] == pytest.approx(sorted(_bench_json(60, 0.10, 0)["ttfts"])[29:31][0], rel=0.1)
+    d = compare_external(ra, rb)
+    assert d["verdict"] == "regression" and d["metrics"]["ttft_p50_s"]["significant"]
+    # no server metrics in either bundle: the layer cannot be told, and the report says so
+    assert d["findings"][0]["layer"] == "client" and "cannot be told" in d["findings"][0]["cause"]
+
+
+def test_import_sglang_bench_summary_only(tmp_path):
+    f = tmp_path / "s.jsonl"
+    f.write_text(json.dumps({"completed": 10, "duration": 2.0}) + "\n" +
+                 json.dumps({"completed": 20, "duration": 4.0, "mean_ttft_ms": 120.0, "median_ttft_ms": 110.0}) + "\n")
+    assert main(["import", "sglang-bench", str(f), "--out", str(tmp_path / "sg")]) == 0
+    s = summarize_external(tmp_path / "sg")
+    assert s["requests"] == 0 and s["tool_summary"]["mean_ttft_s"] == pytest.approx(0.12)
+
+
+def test_changed_default_between_versions_is_named(tmp_path):
+    def log(version: str, max_batched: int) -> Path:
+        p = tmp_path / f"{version}.log"
+        p.write_text(f"INFO api_utils.py:286] non-default args: {{'model': 'm', 'max_num_seqs': 8}}\n"
+                     f"INFO core.py:133] Initializing a V1 LLM engine (v{version}) with config: model='m', "
+                     f"enable_prefix_caching=True, max_seq_len=2048\n"
+                     f"INFO Chunked prefill is enabled with max_num_batched_tokens={max_batched}.\n")
+        return p
+
+    for name, v, mb in (("a", "0.31.0", 8192), ("b", "0.32.0", 2048)):
+        assert main(["import", "metrics", str(V032 / "metrics_after.prom"), "--out", str(tmp_path / name),
+                     "--server-log", str(log(v, mb))]) == 0
+    d = compare_external(tmp_path / "a", tmp_path / "b")
+    rows = {c["key"]: c for c in d["config_diff"]}
+    assert rows["vllm.version"]["baseline"] == "0.31.0" and rows["vllm.version"]["candidate"] == "0.32.0"
+    assert rows["max_num_batched_tokens"]["kind"] == "default"
+    assert rows["max_num_batched_tokens"]["note"] == "default changed between versions"
+    assert rows["max_num_batched_tokens"]["layer"] == "engine.schedule"
+    assert "max_num_seqs" not in rows  # set to the same value in both
+
+
+def test_watch_records_our_server(tmp_path, tiny_model, live):
+    port = live.free_port()
+    argv = [sys.executable, "-m", "layerscope", "serve", "--model", str(tiny_model), "--port", str(port),
+            "--metrics-dialect", "vllm"]
+    with live.server(argv, tmp_path / "serve.log", startup_s=300) as url:
+        assert main(["watch", url, "--duration", "2", "--scrape-interval", "0.5", "--out", str(tmp_path / "w")]) == 0
+    t = pq.read_table(tmp_path / "w" / "scrapes.parquet").to_pandas()
+    assert t["ts_ns"].nunique() >= 2
+    assert {"layerscope_num_requests_waiting", "vllm:num_requests_waiting"} <= set(t["metric"])
+    assert (t[t["metric"].str.endswith("_bucket")]["labels"].str.contains('le="')).all()
+    m = json.loads((tmp_path / "w" / "manifest.json").read_text())
+    assert m["engine"]["family"] == "vllm" and m["engine"]["config"]["max_num_seqs"] > 0
+    cost = m["external"]["scrape"]
+    assert cost["num_scrapes"] >= 2 and cost["mean_s"] > 0 and cost["mean_bytes"] > 1000
+    assert math.isfinite(cost["max_s"])
+
+
+def test_watch_without_a_server_is_a_clear_error(tmp_path, capsys, live):
+    url = f"http://127.0.0.1:{live.free_port()}"
+    assert main(["watch", url, "--duration", "1", "--out", str(tmp_path / "w")]) == 2
+    assert "/metrics: no Prometheus exposition" in capsys.readouterr().err
+
+
+def test_import_real_vllm_bench_serve_result(tmp_path):
+    """A real `vllm bench serve --save-result --save-detailed` JSON (vLLM 0.32.0, README): the
+    per-request figures agree with the summary vLLM computed itself."""
+    src = V032 / "bench_serve.json"
+    d = json.loads(src.read_text())
+    assert main(["import", "vllm-bench", str(src), "--out", str(tmp_path / "vb")]) == 0
+    s = summarize_external(tmp_path / "vb")
+    assert s["requests"] == s["requests_finished"] == d["completed"] == 24
+    assert s["latency"]["ttft"]["p50"] == pytest.approx(d["median_ttft_ms"] / 1e3, rel=1e-6)
+    assert s["latency"]["itl"]["count"] == sum(len(x) for x in d["itls"])
+    assert s["latency"]["itl"]["p50"] == pytest.approx(d["median_itl_ms"] / 1e3, rel=1e-6)
+    assert s["latency"]["tpot"]["p50"] == pytest.approx(d["median_tpot_ms"] / 1e3, rel=1e-3)
+    m = json.loads((tmp_path / "vb" / "manifest.json").read_text())
+    assert m["summary"]["client"]["median_ttft_s"] == pytest.approx(d["median_ttft_ms"] / 1e3)
+    assert m["engine"]["family"] == "vllm" and m["workload"]["num_requests"] == 24
+
+
+def test_diagnose_cli_on_external_bundles(tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(["import", "metrics", str(V032 / "metrics_before.prom"), str(V032 / "metrics_after.prom"),
+                 "--out", str(out), "--server-log", str(V032 / "server.log")]) == 0
+    capsys.readouterr()
+    assert main(["diagnose", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "vllm 0.32.0" in text and "what vllm's metrics let layerscope see" in text
+    assert "kernel-level: not visible from vLLM's metrics" in text
+    assert main(["diagnose", str(out), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["schema"] == "layerscope.external-report/1" and s["server_split"]["queue_time_s"] >= 0
+    a, b = tmp_path / "a.json", tmp_path / "c.json"
+    a.write_text(json.dumps(_bench_json(60, 0.10, 0)))
+    b.write_text(json.dumps(_bench_json(60, 0.10, 2)))
+    for f in (a, b):
+        assert main(["import", "vllm-bench", str(f)]) == 0
+    capsys.readouterr()
+    assert main(["diagnose", str(tmp_path / "a-bundle"), str(tmp_path / "c-bundle"), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["schema"] == "layerscope.diagnosis/1" and d["verdict"] == "no_change"
+    assert d["metrics"]["ttft_p50_s"]["n_baseline"] == 60  # the client records are used
+    assert "client" in d["external"]["visibility"]["candidate"]["seen"]

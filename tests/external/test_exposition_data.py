@@ -1,0 +1,181 @@
+"""Real expositions and logs (tests/data/external, README there) parse, with every mapped
+metric listed and nothing unknown fatal; the delta arithmetic agrees with
+prometheus_client's own parser (an independent reference)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from layerscope.diagnose.external.exposition import histogram_quantile, parse
+from layerscope.diagnose.external.names import CONCEPTS, NAMES, resolve, table_rows
+from layerscope.diagnose.external.server_log import parse_log
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "external"
+V032 = DATA / "vllm-0.32.0-cpu"
+
+
+def _reference_hist(text: str, family: str) -> tuple[float, float]:
+    """(sum, count) of a histogram family, by prometheus_client."""
+    s = c = 0.0
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == family + "_sum":
+                s += smp.value
+            elif smp.name == family + "_count":
+                c += smp.value
+    return s, c
+
+
+def test_vllm_032_exposition_maps_every_v1_concept():
+    exp = parse((V032 / "metrics_after.prom").read_text())
+    assert exp.num_skipped == 0
+    r = resolve(exp)
+    assert r.family == "vllm"
+    expected = {"running", "waiting", "kv_usage", "preemptions", "prefix_queries", "prefix_hits", "prompt_tokens",
+                "generation_tokens", "requests_finished", "ttft", "itl", "tpot", "e2e", "queue_time", "prefill_time",
+                "decode_time", "inference_time", "iteration_tokens", "prompt_len", "output_len", "max_tokens_param",
+                "cache_config"}
+    assert expected <= set(r.names), expected - set(r.names)
+    assert r.names["kv_usage"] == "vllm:kv_cache_usage_perc"
+    assert r.names["itl"] == "vllm:inter_token_latency_seconds"
+    # names layerscope does not map are listed (e.g. the multimodal cache), never an error
+    assert "vllm:mm_cache_queries_total" in r.unmapped
+    assert not any(n.startswith(("python_", "process_")) for n in r.unmapped)
+
+
+def test_vllm_032_histogram_delta_agrees_with_prometheus_client():
+    before, after = (V032 / "metrics_before.prom").read_text(), (V032 / "metrics_after.prom").read_text()
+    for fam in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                "vllm:request_prefill_time_seconds"):
+        hb, ha = parse(before).histogram(fam), parse(after).histogram(fam)
+        (sb, cb), (sa, ca) = _reference_hist(before, fam), _reference_hist(after, fam)
+        assert ha[3] - hb[3] == ca - cb > 0
+        assert math.isclose(ha[2] - hb[2], sa - sb, rel_tol=1e-12)
+
+
+def test_histogram_quantile_matches_prometheus_rule():
+    # buckets le=1:10, le=2:30, +Inf:30 -> median rank 15 lies in (1, 2]: 1 + (15-10)/20 = 1.25
+    assert histogram_quantile(0.5, [1.0, 2.0, math.inf], [10, 30, 30]) == pytest.approx(1.25)
+    assert math.isnan(histogram_quantile(0.5, [1.0, math.inf], [0, 0]))
+
+
+def _from_inventory(inv: dict) -> str:
+    """An exposition carrying every inventoried metric with its labels (values arbitrary)."""
+    labels = ",".join(f'{k}="x"' for k in inv["labels"])
+    lines = []
+    for i, (name, kind) in enumerate(sorted(inv["metrics"].items())):
+        extra = "".join(f',{k}="a"' for k in inv.get("extra_labels", {}).get(name, []))
+        lines.append(f"# TYPE {name} {kind}")
+        if kind == "histogram":
+            lines += [f'{name}_bucket{{{labels}{extra},le="1.0"}} 2.0', f'{name}_bucket{{{labels}{extra},le="+Inf"}} 3.0',
+                      f"{name}_sum{{{labels}{extra}}} 4.5", f"{name}_count{{{labels}{extra}}} 3.0"]
+        else:
+            lines.append(f"{name}{{{labels}{extra}}} {i + 1}.0")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("version,expected", [
+    ("vllm-0.4.x", {"kv_usage": "vllm:gpu_cache_usage_perc", "itl": "vllm:time_per_output_token_seconds",
+                    "swapped": "vllm:num_requests_swapped", "gen_throughput": "vllm:avg_generation_throughput_toks_per_s",
+                    "ttft": "vllm:time_to_first_token_seconds", "preemptions": "vllm:num_preemptions_total"}),
+    ("vllm-0.5.x", {"kv_usage": "vllm:gpu_cache_usage_perc", "itl": "vllm:time_per_output_token_seconds",
+                    "e2e": "vllm:e2e_request_latency_seconds", "cache_config": "vllm:cache_config_info"}),
+    ("sglang-0.5.x", {"waiting": "sglang:num_queue_reqs", "running": "sglang:num_running_reqs",
+                      "kv_usage": "sglang:token_usage", "prefix_hit_rate": "sglang:cache_hit_rate",
+                      "prefix_hits": "sglang:cached_tokens_total", "cuda_graph": "sglang:is_cuda_graph",
+                      "itl": "sglang:inter_token_latency_seconds", "retracted_now": "sglang:num_retracted_reqs"}),
+])
+def test_inventories_of_older_versions_and_sglang(version, expected):
+    inv = json.loads((DATA / "inventories.json").read_text())[version]
+    text = _from_inventory(inv)
+    assert len(list(text_string_to_metric_families(text))) == len(inv["metrics"])  # a valid exposition
+    exp = parse(text)
+    r = resolve(exp)
+    assert r.family == version.split("-")[0]
+    for concept, name in expected.items():
+        assert r.names.get(concept) == name, (concept, r.names.get(concept))
+    mapped = set(r.names.values())
+    # every inventoried name is either mapped or listed as unmapped: nothing silently dropped
+    for name in inv["metrics"]:
+        assert name in mapped or exp.family_of(name) in r.unmapped or name in r.unmapped, name
+    assert r.layers_seen()
+
+
+def test_sglang_underscore_spelling_reads_as_colon():
+    exp = parse('sglang_num_queue_reqs{model_name="m"} 3\nsglang_token_usage{model_name="m"} 0.5\n')
+    r = resolve(exp)
+    assert r.family == "sglang" and r.names["waiting"] == "sglang:num_queue_reqs"
+
+
+def test_unreadable_lines_are_counted_not_fatal():
+    exp = parse('> HELP quoted from a thread\nvllm:num_requests_waiting{model_name="m"} 2.0\n'
+                'vllm:broken{model_name="m" 1\nnot a metric line at all\n# comment\n\n')
+    assert exp.num_skipped == 3 and exp.total("vllm:num_requests_waiting") == 2.0
+
+
+def test_vllm_032_server_log():
+    log = parse_log((V032 / "server.log").read_text())
+    assert (log.family, log.version) == ("vllm", "0.32.0")
+    assert log.non_default_args == {"host": "127.0.0.1", "port": 18231, "model": "/tmp/ls-small"}
+    assert log.config["enable_prefix_caching"] is True and log.config["max_seq_len"] == 2048
+    assert log.kv_cache_tokens == 524288 and log.max_concurrency == 256.0
+    assert len(log.stats) == 5 and all("kv_usage" in s and "prefix_hit_rate" in s for s in log.stats)
+    assert max(s["prefix_hit_rate"] for s in log.stats) > 0.5  # the agentic runs hit the cache
+    assert log.num_skipped > 100  # every other line: counted, skipped
+
+
+def test_log_formats_of_other_versions():
+    # formats as printed by vLLM 0.4-0.6 (vllm/engine/metrics.py LoggingStatLogger, see README) and SGLang
+    text = "\n".join([
+        "INFO 04-28 03:36:06 llm_engine.py:72] Initializing an LLM engine (v0.4.1) with config: model='m', "
+        "tokenizer='m', dtype=torch.float16, max_seq_len=4096, enforce_eager=False, seed=0)",
+        "INFO 04-28 03:36:10 llm_engine.py:322] # GPU blocks: 1000, # CPU blocks: 512",
+        "INFO 04-28 03:37:00 metrics.py:334] Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 20.5 "
+        "tokens/s, Running: 4 reqs, Swapped: 0 reqs, Pending: 2 reqs, GPU KV cache usage: 45.2%, CPU KV cache usage: "
+        "0.0%.",
+        "[2025-07-18 15:32:52 TP0] Prefill batch. #new-seq: 1, #new-token: 2192, #cached-token: 35, token usage: 0.01, "
+        "#running-req: 0, #queue-req: 3",
+        "[2025-07-18 15:32:54 TP0] Decode batch. #running-req: 1, #token: 2266, token usage: 0.02, cuda graph: True, "
+        "gen throughput (token/s): 3.13, #queue-req: 0",
+        "server_args=ServerArgs(model_path='m', mem_fraction_static=0.88, max_running_requests=None, "
+        "chunked_prefill_size=8192, disable_radix_cache=False, schedule_policy='fcfs')",
+    ])
+    log = parse_log(text)
+    assert log.version == "0.4.1" and log.config["num_gpu_blocks"] == 1000 and log.config["seed"] == 0
+    v0 = log.stats[0]
+    assert (v0["num_running"], v0["num_waiting"], v0["num_swapped"], v0["kv_usage"]) == (4, 2, 0, 0.452)
+    assert log.stats[1]["kind"] == "prefill" and log.stats[1]["num_cached_tokens"] == 35
+    assert log.stats[2]["cuda_graph"] is True and log.stats[2]["gen_throughput_tok_s"] == 3.13
+    assert log.config["chunked_prefill_size"] == 8192 and log.config["disable_radix_cache"] is False
+
+
+def test_docs_name_table_is_the_map():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "external.md").read_text()
+    table = doc.split("<!-- names-table")[1].split("<!-- end names-table")[0]
+    for fam, concept, name, versions, layer, unit in table_rows():
+        assert f"| {fam} | {concept} | `{name}` | {versions} | {layer} | {unit} |" in table, name
+    for fam, concepts in NAMES.items():
+        assert set(concepts) <= set(CONCEPTS)
+
+
+def test_histogram_mean_comparison_is_conservative():
+    from layerscope.diagnose.external.analysis import compare_histograms
+
+    inf = math.inf
+    same = ([0.3, 1.0, inf], [40.0, 48.0, 48.0], 48 * 0.2, 48.0)
+    assert not compare_histograms(same, same)["significant"]
+    # vLLM's queue-time buckets start at 0.3 s: everything in the first bucket, mean 0 -> 77 ms
+    a = ([0.3, 0.5, inf], [48.0, 48.0, 48.0], 48 * 1e-5, 48.0)
+    b = ([0.3, 0.5, inf], [48.0, 48.0, 48.0], 48 * 0.077, 48.0)
+    r = compare_histograms(a, b)
+    assert r["significant"] and r["worse"] and r["z_p_value"] < 0.01
+    few = ([0.3, 0.5, inf], [6.0, 6.0, 6.0], 6 * 1e-5, 6.0), ([0.3, 0.5, inf], [6.0, 6.0, 6.0], 6 * 0.077, 6.0)
+    assert not compare_histograms(*few)["significant"]  # 6 requests: the bound cannot exclude noise
+    # one observation in +Inf: the bound widens to the sum, the test stays valid
+    c = ([0.3, 0.5, inf], [47.0, 47.0, 48.0], 47 * 0.05 + 30.0, 48.0)
+    assert compare_histograms(a, c)["ci_pct"][0] < 0 or not compare_histograms(a, c)["significant"]

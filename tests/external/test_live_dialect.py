@@ -1,0 +1,62 @@
+"""The same server-config pairs as test_live_vllm.py, against our own server speaking vLLM's
+dialect with its probes off (``layerscope serve --metrics-dialect vllm --probes off``):
+the external path names the same layers."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import httpx
+import pytest
+
+from layerscope.diagnose.external.analysis import compare_external
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]  # the module session starts servers
+PROBES = os.environ.get("LAYERSCOPE_DIALECT_PROBES", "off")
+
+
+@pytest.fixture(scope="module")
+def our_runs(tmp_path_factory, small_model, live):
+    root = tmp_path_factory.mktemp("dialect-live")
+    sessions = [
+        ("default", [], [("burst", "aa1"), ("burst", "aa2"), ("agentic", "agentic1")]),
+        ("seqs2", ["--set", "max_num_seqs=2"], [("burst", "seqs2")]),
+        ("noprefix", ["--set", "enable_prefix_caching=false"], [("agentic", "noprefix")]),
+        ("starved", ["--set", "num_kv_blocks=24", "--set", "max_model_len=256"], [("burst", "starved")]),
+    ]
+    out = {}
+    for name, args, plan in sessions:
+        argv = [sys.executable, "-m", "layerscope", "serve", "--model", str(small_model), "--port",
+                str(live.free_port()), "--metrics-dialect", "vllm", "--probes", PROBES, *args]
+        with live.server(argv, root / f"serve-{name}.log", startup_s=300) as url:
+            for workload in dict.fromkeys(w for w, _ in plan):
+                live.bench(url, workload, root / f"warm-{name}-{workload}")
+            for workload, key in plan:
+                out[key] = live.bench(url, workload, root / key)
+            if name == "default":
+                from layerscope.diagnose.external.exposition import parse
+
+                served = parse(httpx.get(url + "/metrics", trust_env=False).text).total(
+                    "vllm:request_queue_time_seconds_count")
+                if not served:
+                    pytest.skip(f"this build's server updates no engine-side metrics with --probes {PROBES} "
+                                "(the same pairs pass with LAYERSCOPE_DIALECT_PROBES=default)")
+    return out
+
+
+@pytest.mark.parametrize("base,cand,layer,key", [
+    ("aa1", "seqs2", "engine.queue", "max_num_seqs"),
+    ("agentic1", "noprefix", "engine.kv", "enable_prefix_caching"),
+    ("aa1", "starved", "engine.kv", "num_gpu_blocks"),
+])
+def test_same_layers_as_vllm(our_runs, base, cand, layer, key):
+    d = compare_external(our_runs[base], our_runs[cand])
+    assert d["verdict"] == "regression"
+    assert d["primary"]["layer"] == layer, d["findings"][:2]
+    assert key in [c["key"] for c in d["config_diff"]]
+
+
+def test_aa_pair_says_no_change(our_runs):
+    d = compare_external(our_runs["aa1"], our_runs["aa2"])
+    assert d["verdict"] == "no_change", {k: (v["delta_pct"], v["significant"]) for k, v in d["metrics"].items()}
