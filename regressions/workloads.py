@@ -29,6 +29,7 @@ a built-in), and optionally explicit ``[[requests]]`` tables with ``prompt`` or
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import random
@@ -113,6 +114,19 @@ class WorkloadSpec:
                      "burst_size", "max_input_len", "max_output_len"):
             if getattr(self, name) < 1:
                 raise WorkloadError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("rate", "ramp_up_s", "max_concurrency", "input_sigma", "output_sigma", "temperature",
+                     "system_prompt_len", "tools_len", "think_time_s", "burst_interval_s"):
+            v = getattr(self, name)
+            if not v >= 0:  # NaN too
+                raise WorkloadError(f"{name} must be >= 0, got {v}" + (" (0 = all requests at t=0)"
+                                                                        if name == "rate" else ""))
+        for name in ("slo_ttft_s", "slo_tpot_s", "slo_e2e_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise WorkloadError(f"{name} must be > 0 seconds (or absent), got {v}")
+        if not 1 <= self.min_input_len <= self.max_input_len:
+            raise WorkloadError(f"min_input_len must be in 1..max_input_len ({self.max_input_len}), "
+                                f"got {self.min_input_len}")
         if self.kind == "custom" and not self.requests:
             raise WorkloadError("a custom workload needs [[requests]] (or a base built-in)")
 
@@ -163,8 +177,17 @@ def load_workload(name_or_path: str, **overrides: Any) -> WorkloadSpec:
     if path.suffix.lower() not in (".toml", ".json") or not path.is_file():
         raise WorkloadError(f"unknown workload {name_or_path!r}; built-in: {', '.join(BUILTIN)}, "
                             "or the path of a .toml/.json workload file")
+    try:
+        return _load_file(path, overrides)
+    except (WorkloadError, ValueError, TypeError) as e:  # TOML/JSON syntax, a bad field: name the file
+        raise WorkloadError(f"workload file {path}: {e}") from None
+
+
+def _load_file(path: Path, overrides: dict[str, Any]) -> WorkloadSpec:
     raw = path.read_bytes()
     data = tomllib.loads(raw.decode()) if path.suffix.lower() == ".toml" else json.loads(raw)
+    if not isinstance(data, dict):
+        raise WorkloadError(f"expected a table of workload fields, got {type(data).__name__}")
     base = data.pop("base", None)
     requests = tuple(data.pop("requests", ()) or ())
     data.setdefault("name", path.stem)
@@ -187,7 +210,9 @@ def _coerce_fields(d: dict[str, Any]) -> dict[str, Any]:
     for k, v in d.items():
         k = k.replace("-", "_")
         if k not in types:
-            raise WorkloadError(f"unknown workload field {k!r}; known: {', '.join(types)}")
+            near = difflib.get_close_matches(k, types, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise WorkloadError(f"unknown workload field {k!r}{hint}; known: {', '.join(types)}")
         if isinstance(v, str) and k not in ("name", "kind", "api"):
             t = str(types[k])
             try:
@@ -310,9 +335,10 @@ class _Builder:
         times = self.arrivals(len(s.requests))
         out = []
         for i, (r, t) in enumerate(zip(s.requests, times)):
-            unknown = set(r) - {"prompt", "messages", "max_tokens", "arrival_s", "session_id", "api"}
+            known = ("prompt", "messages", "max_tokens", "arrival_s", "session_id", "api")
+            unknown = set(r) - set(known)
             if unknown:
-                raise WorkloadError(f"request {i}: unknown keys {sorted(unknown)}")
+                raise WorkloadError(f"request {i}: unknown keys {sorted(unknown)}; known: {', '.join(known)}")
             if ("prompt" in r) == ("messages" in r):
                 raise WorkloadError(f"request {i}: give exactly one of prompt or messages")
             api = r.get("api") or ("chat" if "messages" in r else "completions")
