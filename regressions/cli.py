@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,16 +156,26 @@ def _report(result, out: Path) -> dict[str, Any]:
 
 # ---- bench ----------------------------------------------------------------------------------------
 def execute_bench(args: argparse.Namespace) -> Path:
+    from layerscope.regressions import vllm_bench
     from layerscope.regressions.loadgen import run_load
 
-    spec = workload_from_args(args)
+    vllm_bench.check_args(args)  # vLLM-style flags (regressions/vllm_bench.py) beside ours
+    args.endpoint = vllm_bench.server_url(args)
+    tokenizer_id = vllm_bench.tokenizer_dir(args, args.endpoint)
     tokenizer = None
-    if args.tokenizer:
+    if tokenizer_id:
         from layerscope.engine.gateway.gateway import load_gateway_tokenizer
 
-        tokenizer = load_gateway_tokenizer(args.tokenizer)
+        tokenizer = load_gateway_tokenizer(tokenizer_id)
+    if vllm_bench.is_vllm_style(args):
+        spec = vllm_bench.dataset_workload(args, tokenizer)
+    else:
+        spec = workload_from_args(args).replace(**vllm_bench.workload_overrides(args))
     requests = spec.build(tokenizer)
-    out = Path(args.out)
+    args.served_model = args.served_model or args.served_model_name or args.model
+    if args.disable_tqdm:
+        args.progress = False
+    out = Path(args.out or f"runs/bench-{spec.name.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it")
     before = _scrape(args.endpoint, args.api_key)
@@ -183,6 +194,8 @@ def execute_bench(args: argparse.Namespace) -> Path:
     if before is not None:
         (path / "metrics_before.prom").write_text(before)
     _report(result, path)
+    for p in vllm_bench.write_results(args, result, path, result.model, tokenizer_id, requests):
+        print(f"wrote {p} (vllm bench serve result format)")
     return path
 
 
@@ -245,11 +258,18 @@ def add_parser(subparsers) -> None:
     from layerscope.engine.gateway.cli import add_engine_args
 
     p = subparsers.add_parser("bench", help="drive any OpenAI-compatible server with a workload; write a bundle")
-    p.add_argument("--endpoint", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default=None, help="the server's URL (http://127.0.0.1:8000), or, as vLLM's, the "
+                                                    "API path (/v1/completions) with --base-url")
     p.add_argument("--served-model", default=None, help="model name to request (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--tokenizer", default=None, help="model directory whose tokenizer sizes prompts exactly")
     add_workload_args(p)
+    from layerscope.regressions.vllm_bench import add_vllm_args
+
+    add_vllm_args(p)
+    for action in p._actions:  # vLLM-style: a dataset instead of --workload, a default bundle path
+        if action.dest in ("workload", "out"):
+            action.required = False
     p.set_defaults(func=cmd_bench)
 
     p = subparsers.add_parser("run", help="serve a model, drive it with a workload, write one run bundle")

@@ -60,6 +60,7 @@ class ClientRecord:
     http_status: int | None = None
     status: str = "pending"  # ok | rejected (429) | error
     error: str | None = None
+    text: str = ""  # the generated text (vLLM's generated_texts)
 
     @property
     def ok(self) -> bool:
@@ -239,6 +240,7 @@ async def _send(client: aiohttp.ClientSession, model: str, req: RequestSpec, rec
                     if delta is not None and "role" in delta and not delta.get("content"):
                         continue  # the chat stream's opening role chunk: no token
                     rec.token_ns.append(now)
+                    rec.text += choice.get("text") or (delta or {}).get("content") or ""
                     if rec.client_first_token_ns is None:
                         rec.client_first_token_ns = now
                     if choice.get("finish_reason"):

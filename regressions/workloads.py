@@ -16,6 +16,9 @@ Built-ins, sized for the tiny model on two CPU cores (scale with ``num_requests`
 - ``long-context``: few, long prompts near the context window; short outputs.
 - ``burst``: groups of ``burst_size`` requests at once every ``burst_interval_s``.
 - ``offline``: every request at t=0 (a throughput run).
+- ``random``: ``vllm bench serve --dataset-name random``: lengths uniform in
+  ``[L * (1 - range_ratio), L * (1 + range_ratio)]``, the prompt's special tokens
+  counted in ``input_len`` (when a tokenizer is given), completions API, ignore_eos.
 
 Arrivals: gaps are Gamma(shape=burstiness, mean=1/rate), so burstiness 1 is Poisson
 and smaller is burstier (vLLM's benchmark convention); ``ramp_up_s`` warps time so
@@ -39,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 TOKENS_PER_WORD = 1.3
-BUILTIN = ("chat", "agentic", "long-context", "burst", "offline")
+BUILTIN = ("chat", "agentic", "long-context", "burst", "offline", "random")
 KINDS = BUILTIN + ("custom",)
 
 
@@ -84,6 +87,9 @@ class WorkloadSpec:
     min_input_len: int = 4
     max_input_len: int = 512
     max_output_len: int = 64
+    # random: uniform lengths in [len * (1 - ratio), len * (1 + ratio)] (vLLM's --random-range-ratio)
+    input_range_ratio: float = 0.0
+    output_range_ratio: float = 0.0
     temperature: float = 0.0
     ignore_eos: bool = True  # outputs as long as asked, so lengths are the workload's
     # agentic
@@ -124,6 +130,9 @@ class WorkloadSpec:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise WorkloadError(f"{name} must be > 0 seconds (or absent), got {v}")
+        for name in ("input_range_ratio", "output_range_ratio"):
+            if not 0 <= getattr(self, name) < 1:
+                raise WorkloadError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not 1 <= self.min_input_len <= self.max_input_len:
             raise WorkloadError(f"min_input_len must be in 1..max_input_len ({self.max_input_len}), "
                                 f"got {self.min_input_len}")
@@ -160,6 +169,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                   max_output_len=48, slo_ttft_s=3.0),
     "offline": dict(num_requests=48, rate=0.0, input_len=64, output_len=32, output_sigma=0.2, max_output_len=64,
                     api="completions"),
+    "random": dict(num_requests=48, rate=0.0, input_len=64, output_len=16, api="completions"),
 }
 
 
@@ -264,6 +274,22 @@ class _Builder:
     def lognormal(self, median: int, sigma: float, lo: int, hi: int) -> int:
         return int(min(hi, max(lo, round(median * math.exp(sigma * self.rng.gauss(0.0, 1.0))))))
 
+    def uniform_lengths(self, n: int) -> list[tuple[int, int]]:
+        """vLLM's random dataset (``get_sampling_params``), draw for draw: integers uniform
+        around the lengths from ``numpy.random.default_rng(seed)``, inputs then outputs; the
+        prompt's special tokens (BOS, added by the server) count in ``input_len``."""
+        import numpy as np
+
+        s = self.spec
+        num_special = self.tok.num_special_tokens_to_add() if hasattr(self.tok, "num_special_tokens_to_add") else 0
+        n_in = max(0, s.input_len - num_special)
+        lo_in, hi_in = math.floor(n_in * (1 - s.input_range_ratio)), math.ceil(n_in * (1 + s.input_range_ratio))
+        lo_out = max(1, math.floor(s.output_len * (1 - s.output_range_ratio)))
+        hi_out = max(1, math.ceil(s.output_len * (1 + s.output_range_ratio)))
+        rng = np.random.default_rng(s.seed)
+        ins, outs = rng.integers(lo_in, hi_in + 1, size=n), rng.integers(lo_out, hi_out + 1, size=n)
+        return [(max(1, int(a)), int(b)) for a, b in zip(ins, outs)]
+
     def arrivals(self, n: int) -> list[float]:
         s = self.spec
         if s.rate <= 0:
@@ -287,9 +313,13 @@ class _Builder:
         else:
             times = self.arrivals(n)
         out = []
+        lengths = self.uniform_lengths(n) if s.kind == "random" else None
         for i, t in enumerate(times):
-            n_in = self.lognormal(s.input_len, s.input_sigma, s.min_input_len, s.max_input_len)
-            n_out = self.lognormal(s.output_len, s.output_sigma, 1, s.max_output_len)
+            if lengths:
+                n_in, n_out = lengths[i]
+            else:
+                n_in = self.lognormal(s.input_len, s.input_sigma, s.min_input_len, s.max_input_len)
+                n_out = self.lognormal(s.output_len, s.output_sigma, 1, s.max_output_len)
             text = self.text(n_in)
             if s.api == "chat":
                 out.append(RequestSpec(i, t, "chat", n_out, messages=({"role": "user", "content": text},),
