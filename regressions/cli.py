@@ -221,6 +221,9 @@ def execute_run(args: argparse.Namespace) -> Path:
         recorder_kwargs = PROFILES[args.profile]
     gateway = build_gateway(args, record=True, recorder_kwargs=recorder_kwargs)
     with serving(gateway, args.startup_timeout) as url:
+        from layerscope.engine.gateway.cli import warmup_line
+
+        print(warmup_line(gateway, "run"), file=sys.stderr)
         requests = spec.build(gateway.tokenizer)
         with server_in_process():
             result = run_load(url, spec, requests, progress=_progress(args), timeout_s=args.timeout)

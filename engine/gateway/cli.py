@@ -46,10 +46,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(f"layerscope serve: starting {args.replicas} replica(s) of {args.model} ...", file=sys.stderr, flush=True)
         gateway.start(timeout_s=args.startup_timeout)
+        print(warmup_line(gateway), file=sys.stderr, flush=True)
         serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True))
     finally:
         gateway.shutdown()
     return 0
+
+
+def warmup_line(gateway, prog: str = "serve") -> str:
+    """How long the replicas' warm-up took (engine/warmup.py), for the user's terminal."""
+    w = [x for x in gateway.warmup if x and x["num_steps"]]
+    if not w:
+        return f"layerscope {prog}: no warm-up (LAYERSCOPE_WARMUP=0)"
+    return (f"layerscope {prog}: warmed up in {max(x['warmup_s'] for x in w):.2f} s ({w[0]['num_steps']} steps: a "
+            f"{w[0]['prefill_tokens']}-token prefill, decode batches 1..{w[0]['max_decode_batch']})")
 
 
 def add_parser(subparsers) -> None:

@@ -122,6 +122,7 @@ class Gateway:
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = infos[0]["resolved"]["vocab_size"]
         self.resolved = [i["resolved"] for i in infos]
+        self.warmup = [i.get("warmup") for i in infos]  # engine/warmup.py, per replica
         for r in self.replicas:
             r.start_reader(self._on_message)
         if self.recording:

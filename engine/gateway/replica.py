@@ -139,6 +139,9 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, recor
     try:
         recorder = make_recorder(probes, index, model_name, **recorder_kwargs)
         engine = LLMEngine(config, recorder=recorder, faults=faults)
+        from layerscope.engine.warmup import warm_up
+
+        warmup = warm_up(engine)  # before "ready": /health is ok only once the engine is warm
         if recorder.enabled:
             recorder.configure(engine.config, engine.resolved)
             recorder.start()
@@ -147,7 +150,7 @@ def replica_main(index: int, config, faults, probes: str, model_name: str, recor
         outbox.put(("fatal", f"replica {index} failed to start: {type(e).__name__}: {e}"))
         return
     outbox.put(("ready", {"replica": index, "pid": os.getpid(), "resolved": engine.resolved.to_dict(),
-                          "max_model_len": engine.max_model_len}))
+                          "max_model_len": engine.max_model_len, "warmup": warmup}))
     stats = engine.stats()
     outbox.put(("metrics", metrics.snapshot(stats), stats))  # the idle state, before the first request
     parent = mp.parent_process()
