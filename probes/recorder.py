@@ -262,7 +262,7 @@ class ProbeRecorder(Recorder):
         return tp
 
     def gateway_end(self, request_id: str, status: str | None = None, http_status: int | None = None,
-                    error: str | None = None, **timestamps: Any) -> None:
+                    error: str | None = None, attributes: dict[str, Any] | None = None, **timestamps: Any) -> None:
         """The gateway is done with ``request_id``: close its trace, count it in the gateway metrics."""
         fields = {k: v for k, v in dict(status=status, http_status=http_status, error=error).items() if v is not None}
         self.set_request_timestamps(request_id, **fields, **timestamps)
@@ -271,7 +271,8 @@ class ProbeRecorder(Recorder):
         row = {"request_id": request_id, **self._outer[request_id]}
         end = row.get("gateway_finished_ns") or time.monotonic_ns()
         trace_id = self.tracer.close_root(request_id, end, gateway_phases(row),
-                                          {"http_status": http_status or 0, "status": status or ""})
+                                          {"http_status": http_status or 0, "status": status or "",
+                                           **(attributes or {})})
         if trace_id is not None:
             self._gateway_traces[request_id] = trace_id
         m = self.metrics

@@ -18,6 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="engine/gateway config key (repeatable)")
     p.add_argument("--fault", action="append", metavar="KEY=VALUE", help="inject a known regression (repeatable)")
     p.add_argument("--probes", default="default", choices=PROBE_LEVELS, help="what to record")
+    p.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="also export traces to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318); needs "
+                        "layerscope[otlp]; same as OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def build_gateway(args: argparse.Namespace, record: bool, recorder_kwargs: dict | None = None):
@@ -26,6 +29,8 @@ def build_gateway(args: argparse.Namespace, record: bool, recorder_kwargs: dict 
     from layerscope.engine.faults import Faults
     from layerscope.engine.gateway.gateway import Gateway
 
+    if getattr(args, "otlp_endpoint", None):  # read by every process's tracer (replicas inherit it)
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
     overrides = parse_set_args(args.set)
     overrides["model"] = args.model
     if args.tp:

@@ -38,6 +38,24 @@ logger = logging.getLogger(__name__)
 _STATUS = {"stop": "finished_stopped", "length": "finished_length", "abort": "finished_aborted"}
 
 
+def gen_ai_attributes(rec: GatewayRecord, model_name: str) -> dict[str, Any]:
+    """OpenTelemetry GenAI attributes of a request's root span, with vLLM's names for the
+    usage and latency fields (seconds), so its traces read like vLLM's."""
+    attrs: dict[str, Any] = {"gen_ai.request.id": rec.request_id, "gen_ai.response.model": model_name,
+                             "gen_ai.operation.name": "chat" if rec.api == "chat" else "text_completion",
+                             "gen_ai.usage.completion_tokens": rec.num_output_tokens,
+                             "gen_ai.usage.output_tokens": rec.num_output_tokens}
+    if rec.num_prompt_tokens is not None:
+        attrs["gen_ai.usage.prompt_tokens"] = attrs["gen_ai.usage.input_tokens"] = rec.num_prompt_tokens
+    t0 = rec.gateway_arrival_ns
+    # time_in_queue: here the gateway's admission queue (arrival -> admitted)
+    for key, ns in (("time_in_queue", rec.gateway_admitted_ns),
+                    ("time_to_first_token", rec.gateway_first_token_ns), ("e2e", rec.gateway_finished_ns)):
+        if ns:
+            attrs[f"gen_ai.latency.{key}"] = (ns - t0) / 1e9
+    return attrs
+
+
 def load_gateway_tokenizer(model_dir: str | Path):
     """The model's fast tokenizer without importing torch (the gateway process never needs it)."""
     model_dir = Path(model_dir)
@@ -158,13 +176,15 @@ class Gateway:
         self._started = False
 
     # ---- request path -------------------------------------------------------------------------
-    def new_record(self, api: str, stream: bool, session_id: str | None = None) -> GatewayRecord:
+    def new_record(self, api: str, stream: bool, session_id: str | None = None,
+                   traceparent: str | None = None) -> GatewayRecord:
+        """``traceparent``: the caller's W3C trace context; the request's root span becomes its child."""
         prefix = "chatcmpl" if api == "chat" else "cmpl"
         rec = GatewayRecord(f"{prefix}-{uuid.uuid4().hex[:24]}", api, stream, time.monotonic_ns(), session_id)
         if self.record:
             self.records.append(rec)
         if self.recording:
-            rec.traceparent = self.recorder.gateway_begin(rec.request_id, rec.gateway_arrival_ns)
+            rec.traceparent = self.recorder.gateway_begin(rec.request_id, rec.gateway_arrival_ns, traceparent)
         return rec
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -272,6 +292,7 @@ class Gateway:
         if self.recording:
             self.recorder.gateway_end(
                 rec.request_id, status=rec.status, http_status=rec.http_status, error=rec.error,
+                attributes=gen_ai_attributes(rec, self.model_name),
                 **{k: getattr(rec, k) for k in ("gateway_admitted_ns", "gateway_routed_ns", "gateway_first_token_ns",
                                                 "gateway_finished_ns", "replica") if getattr(rec, k) is not None})
         else:
