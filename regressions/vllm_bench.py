@@ -319,8 +319,8 @@ def result_json(args: argparse.Namespace, result, model_id: str, tokenizer_id: s
     ok = [r for r in recs if r.ok]
     duration = (result.end_ns - result.start_ns) / 1e9
     ttfts = [r.ttft_s for r in ok]
-    e2els = [r.e2e_s for r in ok]
-    tpots = [r.tpot_s for r in ok if r.num_output_tokens > 1]
+    e2els = [_latency_s(r) for r in ok]
+    tpots = [_tpot_s(r) for r in ok if r.num_output_tokens > 1]
     itls = [g for r in ok for g in r.itl_s]
     in_len = {r.index: (prompt_lens or {}).get(r.index, r.num_prompt_tokens or 0) for r in recs}
     total_in = sum(in_len[r.index] for r in ok)
@@ -330,7 +330,7 @@ def result_json(args: argparse.Namespace, result, model_id: str, tokenizer_id: s
             if v is not None}
     goodput = None
     if args.goodput:
-        got = {"ttft": lambda r: r.ttft_s, "tpot": lambda r: r.tpot_s or 0.0, "e2el": lambda r: r.e2e_s}
+        got = {"ttft": lambda r: r.ttft_s, "tpot": _tpot_s, "e2el": _latency_s}
         goodput = sum(all(got[k](r) <= v for k, v in slos.items()) for r in ok) / duration
     rate = _rate(spec)
     backend = args.backend or "openai"
@@ -351,7 +351,7 @@ def result_json(args: argparse.Namespace, result, model_id: str, tokenizer_id: s
         "output_lens": [r.num_output_tokens if r.ok else 0 for r in recs],
         "ttfts": [r.ttft_s if r.ok else 0.0 for r in recs],
         "itls": [r.itl_s if r.ok else [] for r in recs],
-        "latencies": [r.e2e_s if r.ok else 0.0 for r in recs],
+        "latencies": [_latency_s(r) if r.ok else 0.0 for r in recs],
         "start_times": [(r.client_send_ns or 0) / 1e9 for r in recs],
         "queue_times": [_queue_s(r, result.start_ns) for r in recs],
         "generated_texts": [getattr(r, "text", "") if r.ok else "" for r in recs],
@@ -371,6 +371,18 @@ def result_json(args: argparse.Namespace, result, model_id: str, tokenizer_id: s
         for k in DETAILED_KEYS:
             out.pop(k)
     return out
+
+
+def _latency_s(rec) -> float:
+    """vLLM's latency: send -> the last token's chunk (not the end of the stream, which still
+    carries the usage chunk and [DONE])."""
+    return (rec.token_ns[-1] - rec.client_send_ns) / 1e9 if rec.token_ns else rec.e2e_s
+
+
+def _tpot_s(rec) -> float:
+    """vLLM's TPOT: (latency - TTFT) / (output tokens - 1); 0 for one token (its goodput rule)."""
+    n = rec.num_output_tokens
+    return (_latency_s(rec) - rec.ttft_s) / (n - 1) if n > 1 else 0.0
 
 
 def _queue_s(rec, start_ns: int) -> float:
