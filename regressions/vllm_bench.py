@@ -24,6 +24,9 @@ bundle. Checked against vLLM 0.32's ``vllm/benchmarks/serve.py`` (``add_cli_args
 Differences that remain: prompts are our word text, not vLLM's token-id sequences (the
 same lengths, drawn as vLLM draws them); ``input_lens`` are the client's counts for the
 random dataset with a tokenizer (as vLLM's), else the server's ``usage.prompt_tokens``.
+
+(Over 400 lines: the flags, their translation and the result writer are one contract with
+vLLM's ``serve.py``, kept in one file so that it can be read side by side with it.)
 """
 
 from __future__ import annotations
