@@ -142,6 +142,11 @@ def test_actions_from_the_repository_root(venv, tmp_path):
 
     with _serving(venv, model, cwd) as url:
         ls(venv, "bench", "--endpoint", url, *WORKLOAD, "--out", str(tmp_path / "bench"), cwd=cwd)
+        ls(venv, "bench", "--base-url", url, "--model", str(model), "--dataset-name", "random", "--num-prompts", "4",
+           "--random-input-len", "16", "--random-output-len", "4", "--out", str(tmp_path / "vbench"),
+           "--save-result", "--result-dir", str(tmp_path / "vres"), cwd=cwd)  # vllm bench serve's flags
+    (vres,) = (tmp_path / "vres").glob("openai-infqps-tiny-*.json")
+    assert json.loads(vres.read_text())["total_output_tokens"] == 16
     bench = json.loads((tmp_path / "bench" / "manifest.json").read_text())
     assert bench["summary"]["client"]["requests_ok"] == 6
     assert (tmp_path / "bench" / "metrics_before.prom").is_file()  # scraped from the server
