@@ -151,11 +151,20 @@ class RunAnalysis:
         tb = self.tpot_breakdown
         tp = tb["tpot_s"].to_numpy(np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
-            out["tpot_interference_share"] = float(np.nanmean(tb["tpot_prefill_interference_s"] / tp)) if len(tb) else np.nan
-            out["tpot_stall_share"] = float(np.nanmean(tb["tpot_stall_s"] / tp)) if len(tb) else np.nan
+            # a client-only bundle (bench) has TPOTs but no breakdown: all-NaN ratios give NaN, quietly
+            interference = (tb["tpot_prefill_interference_s"] / tp).to_numpy(np.float64)
+            stall = (tb["tpot_stall_s"] / tp).to_numpy(np.float64)
+        out["tpot_interference_share"] = _nanmean(interference)
+        out["tpot_stall_share"] = _nanmean(stall)
         # prefill chunks beyond the minimum the token budget requires
         if budget and len(ok):
             need = np.ceil((ok["num_prompt_tokens"] - ok["num_cached_tokens"].fillna(0)).clip(lower=1) / budget)
             chunks = r.loc[ok.index, "num_prefill_chunks"]
             out["prefill_chunk_excess_frac"] = float(np.mean(chunks >= 2 * need + 1))
         return out
+
+
+def _nanmean(x: np.ndarray) -> float:
+    """np.nanmean without its "Mean of empty slice" warning: NaN when no value is present."""
+    x = x[~np.isnan(x)]
+    return float(x.mean()) if x.size else float("nan")

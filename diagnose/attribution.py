@@ -57,6 +57,8 @@ def quantile_components(base: pd.DataFrame, cand: pd.DataFrame, metric: str, q: 
 def _window_means(bd: pd.DataFrame, metric: str, q: float) -> dict[str, float]:
     v = bd[f"{metric}_s"].to_numpy(np.float64)
     ok = ~np.isnan(v)
+    if not ok.any():  # no request has this metric (e.g. TPOT of one-token outputs)
+        return {layer: math.nan for layer in COMPONENTS}
     lo, hi = WINDOWS.get(q, (max(q - 0.05, 0.0), min(q + 0.05, 1.0)))
     ranks = pd.Series(v[ok]).rank(pct=True, method="first").to_numpy()
     sel = (ranks >= lo) & (ranks <= hi)

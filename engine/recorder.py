@@ -127,13 +127,15 @@ class GatewayRequest:
     itl_s: list[float] = field(default_factory=list)
     tpot_s: float | None = None
     e2e_s: float | None = None  # None for aborted requests
+    attributes: dict[str, Any] = field(default_factory=dict)  # its root span's (gen_ai.* semantic conventions)
 
 
 class GatewayRecorder(RunRecorder):
     """The gateway's recorder (no-op base): its requests, admission queue and routing."""
 
-    def request_arrived(self, request_id: str, arrival_ns: int) -> str | None:
-        """A request reached the gateway; returns the traceparent its replica's spans join (or None)."""
+    def request_arrived(self, request_id: str, arrival_ns: int, traceparent: str | None = None) -> str | None:
+        """A request reached the gateway (``traceparent``: the W3C header it came with, which its spans
+        join); returns the traceparent its replica's spans join (or None)."""
         return None
 
     def request_routed(self, replica: int) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layerscope.engine.models.loader import CheckpointError
+from layerscope.engine.models.loader import CheckpointError, check_model_dir
 
 
 def load_tokenizer(model_dir: str | Path):
     """A transformers fast tokenizer from the model directory (offline)."""
     from transformers import AutoTokenizer
 
+    check_model_dir(model_dir, need_config=False)  # a missing path: say so, not a hub-id error
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - turn any loader failure into one clear error

@@ -107,8 +107,9 @@ class GatewayProbeRecorder(ProbeRecorder, GatewayRecorder):
         return tp
 
     def gateway_end(self, request_id: str, status: str | None = None, http_status: int | None = None,
-                    error: str | None = None, **timestamps: Any) -> None:
-        """The gateway is done with ``request_id``: close its trace, count it in the gateway metrics."""
+                    error: str | None = None, attributes: dict[str, Any] | None = None, **timestamps: Any) -> None:
+        """The gateway is done with ``request_id``: close its trace (``attributes`` on its root span),
+        count it in the gateway metrics."""
         fields = {k: v for k, v in dict(status=status, http_status=http_status, error=error).items() if v is not None}
         self.set_request_timestamps(request_id, **fields, **timestamps)
         if not self.enabled:
@@ -116,7 +117,8 @@ class GatewayProbeRecorder(ProbeRecorder, GatewayRecorder):
         row = {"request_id": request_id, **self._outer[request_id]}
         end = row.get("gateway_finished_ns") or time.monotonic_ns()
         trace_id = self.tracer.close_root(request_id, end, gateway_phases(row),
-                                          {"http_status": http_status or 0, "status": status or ""})
+                                          {"http_status": http_status or 0, "status": status or "",
+                                           **(attributes or {})})
         if trace_id is not None:
             self._gateway_traces[request_id] = trace_id
         self.count_gateway_request(http_status, row.get("gateway_arrival_ns"), row.get("gateway_admitted_ns"))
@@ -132,8 +134,8 @@ class GatewayProbeRecorder(ProbeRecorder, GatewayRecorder):
             m.child("layerscope_gateway_queue_time_seconds").observe((admitted_ns - arrival_ns) * 1e-9)
 
     # ---- the engine's GatewayRecorder seam ----
-    def request_arrived(self, request_id: str, arrival_ns: int) -> str | None:
-        return self.gateway_begin(request_id, arrival_ns) if self.enabled else None
+    def request_arrived(self, request_id: str, arrival_ns: int, traceparent: str | None = None) -> str | None:
+        return self.gateway_begin(request_id, arrival_ns, traceparent) if self.enabled else None
 
     def request_routed(self, replica: int) -> None:
         self.metrics.collectors["layerscope_router_requests_total"].labels(self.model_name, str(replica)).inc()
@@ -148,7 +150,7 @@ class GatewayProbeRecorder(ProbeRecorder, GatewayRecorder):
     def request_done(self, request: GatewayRequest) -> None:
         f = request.fields
         if self.enabled:  # rows and spans, and the status/queue metrics
-            self.gateway_end(request.request_id, **f)
+            self.gateway_end(request.request_id, attributes=request.attributes, **f)
         else:
             self.count_gateway_request(f.get("http_status"), f.get("gateway_arrival_ns"), f.get("gateway_admitted_ns"))
         m = self.metrics

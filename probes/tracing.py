@@ -93,8 +93,8 @@ def make_otlp_exporter() -> SpanExporter:
         except ImportError:
             raise RuntimeError(
                 "OTLP trace export was requested (OTEL_EXPORTER_OTLP_ENDPOINT is set or otlp=True), but "
-                "the package opentelemetry-exporter-otlp is not installed; install it "
-                "(pip install opentelemetry-exporter-otlp) or unset OTEL_EXPORTER_OTLP_ENDPOINT"
+                "the OTLP exporter is not installed; install layerscope's otlp extra "
+                "(pip install 'layerscope[otlp]') or unset OTEL_EXPORTER_OTLP_ENDPOINT"
             ) from None
     return OTLPSpanExporter()
 

@@ -1,7 +1,9 @@
 """``layerscope tui [RUN [RUN2]]`` (registered by layerscope/cli.py).
 
 With no RUN it lists the bundles under the runs folder ($LAYERSCOPE_RUNS, else ./runs).
-Exit codes: 0, or 2 when a run could not be opened (the TUI says why on screen).
+Exit codes: 0, or 2 when a run could not be opened (the TUI says why on screen), or when
+stdin or stdout is not a terminal (a script, CI, ``</dev/null``): Textual would wait for
+keys that never come, at 100% CPU, so the command says so and exits instead.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def runs_folder(arg: str | None = None) -> str:
 def cmd_tui(args: argparse.Namespace) -> int:
     if len(args.runs) > 2:
         print("layerscope tui: give one run, or a baseline and a candidate", file=sys.stderr)
+        return 2
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        which = "stdin" if not sys.stdin.isatty() else "stdout"
+        print(f"layerscope tui: needs a terminal, and {which} is not one (a script, CI, a pipe or a "
+              "redirect); for text output use `layerscope diagnose RUN` (or BASELINE CANDIDATE, --json)",
+              file=sys.stderr)
         return 2
     from layerscope.diagnose.tui.app import LayerscopeApp
 

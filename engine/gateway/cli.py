@@ -17,6 +17,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="engine/gateway config key (repeatable)")
     p.add_argument("--fault", action="append", metavar="KEY=VALUE", help="inject a known regression (repeatable)")
     p.add_argument("--probes", default="default", choices=PROBE_LEVELS, help="what to record")
+    p.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="also export traces to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318); needs "
+                        "layerscope[otlp]; same as OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFactory | None = None):
@@ -29,6 +32,8 @@ def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFac
     from layerscope.engine.faults import Faults
     from layerscope.engine.gateway.gateway import Gateway
 
+    if getattr(args, "otlp_endpoint", None):  # read by every process's tracer (replicas inherit it)
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
     overrides = parse_set_args(args.set)
     overrides["model"] = args.model
     if args.tp:
@@ -37,3 +42,12 @@ def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFac
     faults = Faults.parse(args.fault)
     return Gateway(config, faults, num_replicas=args.replicas, recorders=recorders,
                    served_model_name=getattr(args, "served_model_name", None), record=record)
+
+
+def warmup_line(gateway, prog: str = "serve") -> str:
+    """How long the replicas' warm-up took (engine/warmup.py), for the user's terminal."""
+    w = [x for x in gateway.warmup if x and x["num_steps"]]
+    if not w:
+        return f"layerscope {prog}: no warm-up (LAYERSCOPE_WARMUP=0)"
+    return (f"layerscope {prog}: warmed up in {max(x['warmup_s'] for x in w):.2f} s ({w[0]['num_steps']} steps: a "
+            f"{w[0]['prefill_tokens']}-token prefill, decode batches 1..{w[0]['max_decode_batch']})")

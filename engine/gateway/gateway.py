@@ -55,6 +55,24 @@ logger = logging.getLogger(__name__)
 
 
 
+def gen_ai_attributes(rec: GatewayRecord, model_name: str) -> dict[str, Any]:
+    """OpenTelemetry GenAI attributes of a request's root span, with vLLM's names for the
+    usage and latency fields (seconds), so its traces read like vLLM's."""
+    attrs: dict[str, Any] = {"gen_ai.request.id": rec.request_id, "gen_ai.response.model": model_name,
+                             "gen_ai.operation.name": "chat" if rec.api == "chat" else "text_completion",
+                             "gen_ai.usage.completion_tokens": rec.num_output_tokens,
+                             "gen_ai.usage.output_tokens": rec.num_output_tokens}
+    if rec.num_prompt_tokens is not None:
+        attrs["gen_ai.usage.prompt_tokens"] = attrs["gen_ai.usage.input_tokens"] = rec.num_prompt_tokens
+    t0 = rec.gateway_arrival_ns
+    # time_in_queue: here the gateway's admission queue (arrival -> admitted)
+    for key, ns in (("time_in_queue", rec.gateway_admitted_ns),
+                    ("time_to_first_token", rec.gateway_first_token_ns), ("e2e", rec.gateway_finished_ns)):
+        if ns:
+            attrs[f"gen_ai.latency.{key}"] = (ns - t0) / 1e9
+    return attrs
+
+
 def load_gateway_tokenizer(model_dir: str | Path):
     """The model's fast tokenizer without importing torch (the gateway process never needs it)."""
     model_dir = Path(model_dir)
@@ -145,6 +163,7 @@ class Gateway:
         self.max_model_len = min(i.max_model_len for i in infos)
         self.vocab_size = infos[0].resolved["vocab_size"]
         self.resolved = [i.resolved for i in infos]
+        self.warmup = [i.warmup for i in infos]  # engine/warmup.py, per replica
         for r in self.replicas:
             r.start_reader(self._on_message)
         self.recorder.configure(resolved=self.resolved[0])
@@ -179,12 +198,14 @@ class Gateway:
         self._started = False
 
     # ---- request path -------------------------------------------------------------------------
-    def new_record(self, api: str, stream: bool, session_id: str | None = None) -> GatewayRecord:
+    def new_record(self, api: str, stream: bool, session_id: str | None = None,
+                   traceparent: str | None = None) -> GatewayRecord:
+        """``traceparent``: the caller's W3C trace context; the request's root span becomes its child."""
         prefix = "chatcmpl" if api == "chat" else "cmpl"
         rec = GatewayRecord(f"{prefix}-{uuid.uuid4().hex[:24]}", api, stream, time.monotonic_ns(), session_id)
         if self.record:
             self.records.append(rec)
-        rec.traceparent = self.recorder.request_arrived(rec.request_id, rec.gateway_arrival_ns)
+        rec.traceparent = self.recorder.request_arrived(rec.request_id, rec.gateway_arrival_ns, traceparent)
         return rec
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
@@ -288,7 +309,7 @@ class Gateway:
         fields = {k: getattr(rec, k) for k in ("status", "http_status", "error", "gateway_arrival_ns",
                                                "gateway_admitted_ns", "gateway_routed_ns", "gateway_first_token_ns",
                                                "gateway_finished_ns", "replica") if getattr(rec, k) is not None}
-        done = GatewayRequest(rec.request_id, fields)
+        done = GatewayRequest(rec.request_id, fields, attributes=gen_ai_attributes(rec, self.model_name))
         if latencies and rec.ttft_s is not None:
             done.ttft_s, done.itl_s, done.tpot_s = rec.ttft_s, rec.itl_s, rec.tpot_s
             done.e2e_s = rec.e2e_s if rec.status != "finished_aborted" else None

@@ -66,6 +66,7 @@ class Ready:
     pid: int
     resolved: dict[str, Any]  # ResolvedConfig.to_dict()
     max_model_len: int
+    warmup: dict[str, Any] | None = None  # engine/warmup.py's report (None: skipped)
 
 
 @dataclass

@@ -72,12 +72,15 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
     try:
         recorder: Recorder = recorders.engine(index, model_name)
         engine = LLMEngine(config, recorder=recorder, faults=faults)
+        from layerscope.engine.warmup import warm_up
+
+        warmup = warm_up(engine)  # before "ready": /health is ok only once the engine is warm
         recorder.configure(engine.config, engine.resolved)
         recorder.start()
     except Exception as e:  # noqa: BLE001 - reported to the gateway, which refuses to start
         outbox.put(Fatal(f"replica {index} failed to start: {type(e).__name__}: {e}"))
         return
-    outbox.put(Ready(index, os.getpid(), engine.resolved.to_dict(), engine.max_model_len))
+    outbox.put(Ready(index, os.getpid(), engine.resolved.to_dict(), engine.max_model_len, warmup))
     stats = engine.stats()
     outbox.put(MetricsSnapshot(recorder.metric_families(stats), stats))  # the idle state, before the first request
     parent = mp.parent_process()

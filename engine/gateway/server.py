@@ -110,7 +110,8 @@ def create_app(gateway: Gateway, api_key: str | None = None,
         return JSONResponse({"object": "list", "data": [card]})
 
     async def handle(request: Request, chat: bool) -> Response:
-        rec = gateway.new_record("chat" if chat else "completions", False, request.headers.get("x-session-id"))
+        rec = gateway.new_record("chat" if chat else "completions", False, request.headers.get("x-session-id"),
+                                 traceparent=request.headers.get("traceparent"))
         try:
             check_key(request)
             req = parse_body(await request.body(), ChatCompletionRequest if chat else CompletionRequest)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ class ClientRecord(RequestTimes):
     http_status: int | None = None
     status: str = "pending"  # ok | rejected (429) | error
     error: str | None = None
+    text: str = ""  # the generated text (vLLM's generated_texts)
+    trace_id: str | None = None  # of the W3C traceparent sent: the server's spans join this trace
 
     @property
     def ok(self) -> bool:
@@ -81,7 +84,7 @@ class ClientRecord(RequestTimes):
                 "client_ttft_s": self.ttft_s, "client_tpot_s": self.tpot_s, "client_e2e_s": self.e2e_s,
                 "http_status": self.http_status, "num_output_tokens": self.num_output_tokens,
                 "num_prompt_tokens": self.num_prompt_tokens, "num_cached_tokens": self.num_cached_tokens,
-                "finish_reason": self.finish_reason, "error": self.error}
+                "finish_reason": self.finish_reason, "error": self.error, "trace_id": self.trace_id}
 
 
 @dataclass
@@ -191,6 +194,9 @@ async def _send(client: aiohttp.ClientSession, model: str, req: RequestSpec, rec
                 spec: WorkloadSpec) -> None:
     path = "/v1/chat/completions" if req.api == "chat" else "/v1/completions"
     headers = {"Content-Type": "application/json"}
+    # W3C trace context: the client's span is the parent of the server's root (same trace id)
+    rec.trace_id = secrets.token_hex(16)
+    headers["traceparent"] = f"00-{rec.trace_id}-{secrets.token_hex(8)}-01"
     if req.session_id:
         headers["X-Session-Id"] = req.session_id
     payload = json.dumps(_body(model, req, spec)).encode()
@@ -225,6 +231,7 @@ async def _send(client: aiohttp.ClientSession, model: str, req: RequestSpec, rec
                     if delta is not None and "role" in delta and not delta.get("content"):
                         continue  # the chat stream's opening role chunk: no token
                     rec.token_ns.append(now)
+                    rec.text += choice.get("text") or (delta or {}).get("content") or ""
                     if rec.client_first_token_ns is None:
                         rec.client_first_token_ns = now
                     if choice.get("finish_reason"):

@@ -16,6 +16,9 @@ Built-ins, sized for the tiny model on two CPU cores (scale with ``num_requests`
 - ``long-context``: few, long prompts near the context window; short outputs.
 - ``burst``: groups of ``burst_size`` requests at once every ``burst_interval_s``.
 - ``offline``: every request at t=0 (a throughput run).
+- ``random``: ``vllm bench serve --dataset-name random``: lengths uniform in
+  ``[L * (1 - range_ratio), L * (1 + range_ratio)]``, the prompt's special tokens
+  counted in ``input_len`` (when a tokenizer is given), completions API, ignore_eos.
 
 Arrivals: gaps are Gamma(shape=burstiness, mean=1/rate), so burstiness 1 is Poisson
 and smaller is burstier (vLLM's benchmark convention); ``ramp_up_s`` warps time so
@@ -29,6 +32,7 @@ a built-in), and optionally explicit ``[[requests]]`` tables with ``prompt`` or
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import random
@@ -38,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 TOKENS_PER_WORD = 1.3
-BUILTIN = ("chat", "agentic", "long-context", "burst", "offline")
+BUILTIN = ("chat", "agentic", "long-context", "burst", "offline", "random")
 KINDS = BUILTIN + ("custom",)
 
 
@@ -83,6 +87,9 @@ class WorkloadSpec:
     min_input_len: int = 4
     max_input_len: int = 512
     max_output_len: int = 64
+    # random: uniform lengths in [len * (1 - ratio), len * (1 + ratio)] (vLLM's --random-range-ratio)
+    input_range_ratio: float = 0.0
+    output_range_ratio: float = 0.0
     temperature: float = 0.0
     ignore_eos: bool = True  # outputs as long as asked, so lengths are the workload's
     # agentic
@@ -113,6 +120,22 @@ class WorkloadSpec:
                      "burst_size", "max_input_len", "max_output_len"):
             if getattr(self, name) < 1:
                 raise WorkloadError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("rate", "ramp_up_s", "max_concurrency", "input_sigma", "output_sigma", "temperature",
+                     "system_prompt_len", "tools_len", "think_time_s", "burst_interval_s"):
+            v = getattr(self, name)
+            if not v >= 0:  # NaN too
+                raise WorkloadError(f"{name} must be >= 0, got {v}" + (" (0 = all requests at t=0)"
+                                                                        if name == "rate" else ""))
+        for name in ("slo_ttft_s", "slo_tpot_s", "slo_e2e_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise WorkloadError(f"{name} must be > 0 seconds (or absent), got {v}")
+        for name in ("input_range_ratio", "output_range_ratio"):
+            if not 0 <= getattr(self, name) < 1:
+                raise WorkloadError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 1 <= self.min_input_len <= self.max_input_len:
+            raise WorkloadError(f"min_input_len must be in 1..max_input_len ({self.max_input_len}), "
+                                f"got {self.min_input_len}")
         if self.kind == "custom" and not self.requests:
             raise WorkloadError("a custom workload needs [[requests]] (or a base built-in)")
 
@@ -146,6 +169,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                   max_output_len=48, slo_ttft_s=3.0),
     "offline": dict(num_requests=48, rate=0.0, input_len=64, output_len=32, output_sigma=0.2, max_output_len=64,
                     api="completions"),
+    "random": dict(num_requests=48, rate=0.0, input_len=64, output_len=16, api="completions"),
 }
 
 
@@ -163,8 +187,17 @@ def load_workload(name_or_path: str, **overrides: Any) -> WorkloadSpec:
     if path.suffix.lower() not in (".toml", ".json") or not path.is_file():
         raise WorkloadError(f"unknown workload {name_or_path!r}; built-in: {', '.join(BUILTIN)}, "
                             "or the path of a .toml/.json workload file")
+    try:
+        return _load_file(path, overrides)
+    except (WorkloadError, ValueError, TypeError) as e:  # TOML/JSON syntax, a bad field: name the file
+        raise WorkloadError(f"workload file {path}: {e}") from None
+
+
+def _load_file(path: Path, overrides: dict[str, Any]) -> WorkloadSpec:
     raw = path.read_bytes()
     data = tomllib.loads(raw.decode()) if path.suffix.lower() == ".toml" else json.loads(raw)
+    if not isinstance(data, dict):
+        raise WorkloadError(f"expected a table of workload fields, got {type(data).__name__}")
     base = data.pop("base", None)
     requests = tuple(data.pop("requests", ()) or ())
     data.setdefault("name", path.stem)
@@ -187,7 +220,9 @@ def _coerce_fields(d: dict[str, Any]) -> dict[str, Any]:
     for k, v in d.items():
         k = k.replace("-", "_")
         if k not in types:
-            raise WorkloadError(f"unknown workload field {k!r}; known: {', '.join(types)}")
+            near = difflib.get_close_matches(k, types, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise WorkloadError(f"unknown workload field {k!r}{hint}; known: {', '.join(types)}")
         if isinstance(v, str) and k not in ("name", "kind", "api"):
             t = str(types[k])
             try:
@@ -239,6 +274,22 @@ class _Builder:
     def lognormal(self, median: int, sigma: float, lo: int, hi: int) -> int:
         return int(min(hi, max(lo, round(median * math.exp(sigma * self.rng.gauss(0.0, 1.0))))))
 
+    def uniform_lengths(self, n: int) -> list[tuple[int, int]]:
+        """vLLM's random dataset (``get_sampling_params``), draw for draw: integers uniform
+        around the lengths from ``numpy.random.default_rng(seed)``, inputs then outputs; the
+        prompt's special tokens (BOS, added by the server) count in ``input_len``."""
+        import numpy as np
+
+        s = self.spec
+        num_special = self.tok.num_special_tokens_to_add() if hasattr(self.tok, "num_special_tokens_to_add") else 0
+        n_in = max(0, s.input_len - num_special)
+        lo_in, hi_in = math.floor(n_in * (1 - s.input_range_ratio)), math.ceil(n_in * (1 + s.input_range_ratio))
+        lo_out = max(1, math.floor(s.output_len * (1 - s.output_range_ratio)))
+        hi_out = max(1, math.ceil(s.output_len * (1 + s.output_range_ratio)))
+        rng = np.random.default_rng(s.seed)
+        ins, outs = rng.integers(lo_in, hi_in + 1, size=n), rng.integers(lo_out, hi_out + 1, size=n)
+        return [(max(1, int(a)), int(b)) for a, b in zip(ins, outs)]
+
     def arrivals(self, n: int) -> list[float]:
         s = self.spec
         if s.rate <= 0:
@@ -262,9 +313,13 @@ class _Builder:
         else:
             times = self.arrivals(n)
         out = []
+        lengths = self.uniform_lengths(n) if s.kind == "random" else None
         for i, t in enumerate(times):
-            n_in = self.lognormal(s.input_len, s.input_sigma, s.min_input_len, s.max_input_len)
-            n_out = self.lognormal(s.output_len, s.output_sigma, 1, s.max_output_len)
+            if lengths:
+                n_in, n_out = lengths[i]
+            else:
+                n_in = self.lognormal(s.input_len, s.input_sigma, s.min_input_len, s.max_input_len)
+                n_out = self.lognormal(s.output_len, s.output_sigma, 1, s.max_output_len)
             text = self.text(n_in)
             if s.api == "chat":
                 out.append(RequestSpec(i, t, "chat", n_out, messages=({"role": "user", "content": text},),
@@ -310,9 +365,10 @@ class _Builder:
         times = self.arrivals(len(s.requests))
         out = []
         for i, (r, t) in enumerate(zip(s.requests, times)):
-            unknown = set(r) - {"prompt", "messages", "max_tokens", "arrival_s", "session_id", "api"}
+            known = ("prompt", "messages", "max_tokens", "arrival_s", "session_id", "api")
+            unknown = set(r) - set(known)
             if unknown:
-                raise WorkloadError(f"request {i}: unknown keys {sorted(unknown)}")
+                raise WorkloadError(f"request {i}: unknown keys {sorted(unknown)}; known: {', '.join(known)}")
             if ("prompt" in r) == ("messages" in r):
                 raise WorkloadError(f"request {i}: give exactly one of prompt or messages")
             api = r.get("api") or ("chat" if "messages" in r else "completions")

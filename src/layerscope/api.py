@@ -17,8 +17,9 @@ bundle's path; the client's summary is in its manifest (``summary.client``).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from layerscope.contract import STATUS_OF_FINISH_REASON, STATUS_STOPPED
 
@@ -135,12 +136,15 @@ def _scrape(endpoint: str, api_key: str | None) -> str | None:
 def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Mapping[str, Any] | None = None,
           served_model: str | None = None, api_key: str | None = None, tokenizer: str | Path | None = None,
           overwrite: bool = False, timeout_s: float = 300.0, progress: bool = False,
-          scrape_interval_s: float = 1.0, server_log: str | Path | None = None) -> Path:
+          scrape_interval_s: float = 1.0, server_log: str | Path | None = None,
+          on_result: Callable[[Any, Path, list], None] | None = None) -> Path:
     """Drive ``endpoint`` (an OpenAI-compatible server's base URL) with ``workload``; write a
     client-side bundle to ``out`` and return its path. ``tokenizer``: a model directory whose
     tokenizer sizes prompts exactly; ``timeout_s``: per request. The server's /metrics is scraped
     every ``scrape_interval_s`` during the run (scrapes.parquet); ``server_log``: the engine's own
-    log (vLLM, SGLang), whose config and periodic stats go into the bundle (docs/external.md)."""
+    log (vLLM, SGLang), whose config and periodic stats go into the bundle (docs/external.md).
+    ``on_result(result, path, requests)``: called with the load generator's result once the bundle
+    is written (the CLI writes ``vllm bench serve``'s result JSON from it)."""
     from layerscope.regressions import capture
     from layerscope.regressions.load.loadgen import run_load
 
@@ -179,6 +183,8 @@ def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Map
     log = capture.read_server_log(server_log)
     capture.finish_bundle(path, before=before, after=after, scraper=scraper, log=log, itls=capture.client_itls(result),
                           info=capture.engine_info(endpoint, api_key, after or before, log))
+    if on_result is not None:
+        on_result(result, path, requests)
     return path
 
 
@@ -231,6 +237,9 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
         probes, recorder_kwargs = "full", PROFILES[profile]
     gateway = _gateway(model, config, fault_items, probes, replicas, tp, recorder_kwargs)
     with serving(gateway, startup_timeout_s) as url:
+        from layerscope.engine.gateway.cli import warmup_line
+
+        print(warmup_line(gateway, "run"), file=sys.stderr, flush=True)
         requests = spec.build(gateway.tokenizer)
         with server_in_process():
             result = run_load(url, spec, requests, progress=progress, timeout_s=timeout_s)

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +63,42 @@ def print_summary(path: Path, target: str) -> None:
     print(f"wrote {path}")
 
 
+def bench_workload(args: argparse.Namespace, tokenizer=None):
+    """The workload a ``bench`` command line asks for: vLLM's dataset flags, or ours (vLLM's flags
+    like --num-prompts and --request-rate override its fields)."""
+    from layerscope.api import load_workload
+    from layerscope.regressions import vllm_bench
+
+    if vllm_bench.is_vllm_style(args):
+        return vllm_bench.dataset_workload(args, tokenizer)
+    return load_workload(args.workload, workload_params(args)).replace(**vllm_bench.workload_overrides(args))
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from layerscope.api import bench
+    from layerscope.regressions import vllm_bench
 
-    path = bench(endpoint=args.endpoint, workload=args.workload, out=args.out, workload_params=workload_params(args),
-                 served_model=args.served_model, api_key=args.api_key, tokenizer=args.tokenizer,
-                 scrape_interval_s=args.scrape_interval, server_log=args.server_log,
-                 overwrite=args.overwrite, timeout_s=args.timeout, progress=_progress(args))
-    print_summary(path, args.endpoint)
+    vllm_bench.check_args(args)  # vLLM-style flags (regressions/vllm_bench.py) beside ours
+    endpoint = vllm_bench.server_url(args)
+    tokenizer_id = vllm_bench.tokenizer_dir(args, endpoint)
+    tokenizer = None
+    if tokenizer_id and vllm_bench.is_vllm_style(args):
+        from layerscope.engine.gateway.gateway import load_gateway_tokenizer
+
+        tokenizer = load_gateway_tokenizer(tokenizer_id)
+    spec = bench_workload(args, tokenizer)
+    out = args.out or f"runs/bench-{spec.name.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    def vllm_results(result, path: Path, requests: list) -> None:
+        for p in vllm_bench.write_results(args, result, path, result.model, tokenizer_id, requests):
+            print(f"wrote {p} (vllm bench serve result format)")
+
+    path = bench(endpoint=endpoint, workload=spec, out=out,
+                 served_model=args.served_model or args.served_model_name or args.model, api_key=args.api_key,
+                 tokenizer=tokenizer_id, scrape_interval_s=args.scrape_interval, server_log=args.server_log,
+                 overwrite=args.overwrite, timeout_s=args.timeout,
+                 progress=False if args.disable_tqdm else _progress(args), on_result=vllm_results)
+    print_summary(path, endpoint)
     return 0
 
 
@@ -90,7 +119,8 @@ def add_parser(subparsers) -> None:
     from layerscope.engine.gateway.cli import add_engine_args
 
     p = subparsers.add_parser("bench", help="drive any OpenAI-compatible server with a workload; write a bundle")
-    p.add_argument("--endpoint", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default=None, help="the server's URL (http://127.0.0.1:8000), or, as vLLM's, the "
+                                                    "API path (/v1/completions) with --base-url")
     p.add_argument("--served-model", default=None, help="model name to request (default: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("LAYERSCOPE_API_KEY"),
                    help="Bearer key of the server (default: $LAYERSCOPE_API_KEY); also used for /metrics")
@@ -100,6 +130,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--server-log", default=None, metavar="FILE",
                    help="the engine's own log (vLLM, SGLang): its config and periodic stats go into the bundle")
     add_workload_args(p)
+    from layerscope.regressions.vllm_bench import add_vllm_args
+
+    add_vllm_args(p)
+    for action in p._actions:  # vLLM-style: a dataset instead of --workload, a default bundle path
+        if action.dest in ("workload", "out"):
+            action.required = False
     p.set_defaults(func=cmd_bench)
 
     p = subparsers.add_parser("run", help="serve a model, drive it with a workload, write one run bundle")

@@ -13,7 +13,7 @@ import sys
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from layerscope.engine.gateway.cli import build_gateway
+    from layerscope.engine.gateway.cli import build_gateway, warmup_line
     from layerscope.engine.gateway.server import serve
     from layerscope.probes.serving import recorders
 
@@ -23,6 +23,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         print(f"layerscope serve: starting {args.replicas} replica(s) of {args.model} ...", file=sys.stderr, flush=True)
         gateway.start(timeout_s=args.startup_timeout)
+        print(warmup_line(gateway), file=sys.stderr, flush=True)
         serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True),
               metrics_extra=_vllm_dialect if args.metrics_dialect == "vllm" else None)
     finally:

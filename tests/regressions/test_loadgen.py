@@ -215,6 +215,7 @@ RUN_SIZES = {  # small enough for two cores; every workload's shape is kept
     "long-context": ["--num-requests", "6"],
     "burst": ["--num-requests", "16", "--param", "burst_size=8", "--param", "burst_interval_s=0.5"],
     "offline": ["--num-requests", "16"],
+    "random": ["--num-requests", "16"],
 }
 
 
