@@ -155,26 +155,52 @@ def revision_label(row: Any) -> str:
         short or row["version"])
 
 
-def history_series(runs, metric: str):
+def revision_order(repo, revs) -> dict[str, int] | None:
+    """Position of each git sha in the repository's topological order (oldest first), or
+    None when some sha is not a commit of ``repo`` (then runs keep their measured order)."""
+    import subprocess
+
+    revs = sorted(set(revs))
+    if not revs:
+        return None
+    r = subprocess.run(["git", "-C", str(repo), "rev-list", "--topo-order", "--reverse", *revs],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    pos = {sha: i for i, sha in enumerate(r.stdout.split())}
+    return pos if all(v in pos for v in revs) else None
+
+
+def history_series(runs, metric: str, order: dict[str, int] | None = None):
     """The runs of one workload x config (store rows, ``ResultStore.history``) that measured
-    ``metric``, ordered by revision (first measured first), then by time. Adds ``rev_key``."""
+    ``metric``, ordered by revision, then by time. Revisions in commit order when ``order``
+    (``revision_order``) places every run's git sha, else by when each was first measured.
+    Adds ``rev_key``."""
     h = runs[(runs["status"] == "ok") & runs[metric].notna()].copy()
     if h.empty:
         return h
     h["rev_key"] = [revision_key(r) for _, r in h.iterrows()]
     first = h.groupby("rev_key")["started_at"].min().rename("rev_first")
     h = h.join(first, on="rev_key")
-    return h.sort_values(["rev_first", "rev_key", "started_at", "id"], kind="stable").reset_index(drop=True)
+    if order is not None and h["git_rev"].map(lambda x: isinstance(x, str) and x in order).all():
+        # a dirty working tree sits just after its HEAD
+        h["rev_pos"] = [order[g] + (0.5 if k != g else 0.0) for g, k in zip(h["git_rev"], h["rev_key"])]
+        keys = ["rev_pos", "rev_first", "rev_key", "started_at", "id"]
+    else:
+        keys = ["rev_first", "rev_key", "started_at", "id"]
+    return h.sort_values(keys, kind="stable").reset_index(drop=True)
 
 
 def suite_change_points(runs, metrics: Sequence[str] | None = None, max_pvalue: float = 0.01,
-                        min_size: int = 2, permutations: int = 199) -> list[ChangePoint]:
-    """Change points of every workload x config x metric in ``runs`` (one suite's store rows)."""
+                        min_size: int = 2, permutations: int = 199,
+                        order: dict[str, int] | None = None) -> list[ChangePoint]:
+    """Change points of every workload x config x metric in ``runs`` (one suite's store rows);
+    ``order``: commit order of the revisions (``revision_order``), else measured order."""
     metrics = list(metrics or [m for m in METRICS if m in runs.columns])
     out: list[ChangePoint] = []
     for (workload, config), cell in runs.groupby(["workload", "config"], sort=True):
         for metric in metrics:
-            h = history_series(cell, metric)
+            h = history_series(cell, metric, order)
             if len(h) < 2 * min_size:
                 continue
             x = h[metric].to_numpy(dtype=float)
@@ -197,7 +223,7 @@ def suite_change_points(runs, metrics: Sequence[str] | None = None, max_pvalue: 
 
 # ---- the command --------------------------------------------------------------------------
 def _fmt(metric: str, v: float) -> str:
-    return f"{v * 1e3:.2f} ms" if metric.endswith("_s") else f"{v:.2f}"
+    return f"{v * 1e3:.2f} ms" if metric.endswith("_s") and "_per_" not in metric else f"{v:.1f}"
 
 
 def cmd_history(args) -> int:
@@ -233,28 +259,37 @@ def cmd_history(args) -> int:
         if name not in known:
             return fail(f"suite {args.words[0]!r} has no runs in {db}; suites there: {', '.join(known) or 'none'}")
         runs = store.history(suite=name)
-    cps = suite_change_points(runs, [args.metric] if args.metric else None, max_pvalue=args.max_pvalue)
+    order = None
+    try:
+        from layerscope.regressions.versions import VersionError, find_repo
+
+        order = revision_order(find_repo(args.repo), runs["git_rev"].dropna().tolist())
+    except VersionError:
+        pass
+    cps = suite_change_points(runs, [args.metric] if args.metric else None, max_pvalue=args.max_pvalue,
+                              order=order)
+    ordered_by = "commit order" if order is not None else "first measured"
     num_revs = runs[runs["status"] == "ok"].apply(revision_key, axis=1).nunique() if len(runs) else 0
     if args.json:
         print(json.dumps({"schema": "layerscope.regress-history/1", "suite": name, "store": str(db),
-                          "num_runs": int(len(runs)), "num_revisions": int(num_revs),
+                          "num_runs": int(len(runs)), "num_revisions": int(num_revs), "revisions_ordered_by": ordered_by,
                           "method": "e-divisive means (alpha=1), permutation test",
                           "max_pvalue": args.max_pvalue, "change_points": [c.to_json() for c in cps]}, indent=1))
     else:
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title=f"{name}: change points over {len(runs)} runs of {num_revs} revisions "
+        t = Table(title=f"{name}: change points over {len(runs)} runs of {num_revs} revisions in {ordered_by} "
                         f"(E-divisive means, p <= {args.max_pvalue:g})")
         for col in ("workload", "config", "metric", "first revision after", "first run", "before (median)",
                     "after (median)", "change", "p"):
             t.add_column(col)
         for c in cps:
             t.add_row(c.workload, c.config, METRICS.get(c.metric, c.metric), c.revision,
-                      f"#{c.first_run_id} {c.first_run_at}", _fmt(c.metric, c.before_median),
+                      f"#{c.first_run_id} {c.first_run_at[:19]}", _fmt(c.metric, c.before_median),
                       _fmt(c.metric, c.after_median),
                       f"[{'red' if c.worse else 'green'}]{c.change_pct:+.1f}%[/]", f"{c.pvalue:.3f}")
         con = Console(width=max(Console().width, 140))
         con.print(t) if cps else con.print(f"{name}: no change point over {len(runs)} runs of {num_revs} revisions "
-                                           f"(E-divisive means, p <= {args.max_pvalue:g})")
+                                           f"in {ordered_by} (E-divisive means, p <= {args.max_pvalue:g})")
     return 1 if any(c.worse for c in cps) else 0
