@@ -137,3 +137,42 @@ def test_history_command_errors(tmp_path, capsys):
     assert regress_main(["history", "smoke", "--db", str(db), "--metric", "speed"]) == 2
     assert "unknown metric" in capsys.readouterr().err
     assert regress_main(["smoke", "extra"]) == 2
+
+
+def test_history_orders_revisions_by_commit_when_they_are_commits(tmp_path):
+    """Measured newest-first (as a bisect does: GOOD vs BAD before the middle), the step
+    still sits at the commit that made it."""
+    import subprocess
+
+    from layerscope.regressions.history import history_series, revision_order, suite_change_points
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shas = []
+    for i in range(6):
+        (repo / "f").write_text(str(i))
+        subprocess.run(["git", "-C", str(repo), "init", "-q"] if i == 0 else ["true"], check=True)
+        subprocess.run(["git", "-C", str(repo), "add", "f"], check=True)
+        subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", str(i)],
+                       check=True)
+        shas.append(subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                   check=True).stdout.strip())
+    level = {s: (0.010 if i < 3 else 0.013) for i, s in enumerate(shas)}
+    measured = [shas[0], shas[5], shas[2], shas[3], shas[1], shas[4]]  # not commit order
+    db = tmp_path / "results.sqlite"
+    rng = np.random.default_rng(5)
+    with ResultStore(db) as store:
+        for k, sha in enumerate(measured):
+            for rep in range(4):
+                store.add(RunRecord(session=f"s{k}", suite="s", suite_digest="d",
+                                    started_at=f"2026-12-01T10:{k:02d}:{rep:02d}+00:00", version=sha[:12],
+                                    version_spec=sha, version_kind="git", git_rev=sha, git_dirty=None,
+                                    is_baseline=False, workload="w", config="c", repetition=rep + 1, status="ok",
+                                    figures={"tpot_p50_s": level[sha] * (1 + rng.normal(0, 0.01))}))
+        runs = store.history(suite="s")
+    order = revision_order(repo, runs["git_rev"].tolist())
+    assert order is not None and sorted(shas, key=order.get) == shas
+    assert history_series(runs, "tpot_p50_s", order)["git_rev"].drop_duplicates().tolist() == shas
+    cps = suite_change_points(runs, ["tpot_p50_s"], order=order)
+    assert [c.git_rev for c in cps] == [shas[3]]
+    assert revision_order(repo, [shas[0], "f" * 40]) is None  # not a commit here: measured order
