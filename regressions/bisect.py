@@ -247,7 +247,7 @@ def _diagnosis(result, metric: str, repo: Path, parent: str, commit: str) -> dic
                                               result.slo)
         out.update(layer=layer, layer_source=source, cause=cause, evidence=[])
     out["config_changes"] = [change_text(r) for r in result.config_diffs.get(cand, []) if r["kind"] == "config"]
-    out["files"] = _git(repo, "diff", "--stat", parent, commit).splitlines()
+    out["files"] = _git(repo, "diff", "--name-only", parent, commit).splitlines()
     return out
 
 
@@ -302,7 +302,7 @@ def render(r: BisectResult) -> str:
     changes = d.get("config_changes") or []
     lines.append("  config/default diff: " + ("; ".join(changes) if changes else "none (a code change)"))
     if d.get("files"):
-        lines.append("  files: " + " ".join(x.strip() for x in d["files"][:-1]) if len(d["files"]) > 1 else "")
+        lines.append("  files: " + ", ".join(d["files"]))
     for s in r.steps:
         lines.append(f"  step {s.rev[:10]}: {'n/a' if s.worse_pct is None else f'{s.worse_pct:+.1f}%'} vs GOOD -> "
                      f"{'bad' if s.is_bad else 'good'}")

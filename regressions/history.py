@@ -272,7 +272,8 @@ def cmd_history(args) -> int:
     num_revs = runs[runs["status"] == "ok"].apply(revision_key, axis=1).nunique() if len(runs) else 0
     if args.json:
         print(json.dumps({"schema": "layerscope.regress-history/1", "suite": name, "store": str(db),
-                          "num_runs": int(len(runs)), "num_revisions": int(num_revs), "revisions_ordered_by": ordered_by,
+                          "num_runs": int(len(runs)), "num_revisions": int(num_revs),
+                          "revisions_ordered_by": ordered_by,
                           "method": "e-divisive means (alpha=1), permutation test",
                           "max_pvalue": args.max_pvalue, "change_points": [c.to_json() for c in cps]}, indent=1))
     else:
