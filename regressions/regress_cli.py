@@ -26,7 +26,11 @@ def add_regress_parser(subparsers) -> None:
                "working tree as it is; endpoint:URL for an OpenAI-compatible server (bench only, client-side). "
                "exit status: 0 no regression; 1 a metric regressed beyond its threshold with significance, "
                "consistently across repetitions (or a candidate's runs failed); 2 usage or suite errors, "
-               "found before anything is written.")
+               "found before anything is written. "
+               "history SUITE [--db PATH]: change points (E-divisive means, permutation test) over the stored runs, "
+               "naming the first revision after each step (exit 1 when one is a regression). "
+               "bisect GOOD..BAD SUITE [--repetitions N] [--metric M]: the first bad commit by binary search, "
+               "diagnosed against its parent (exit 1 when GOOD..BAD shows no regression).")
     p.add_argument("suite", metavar="SUITE", help="suite TOML file, or a shipped suite name (smoke, full); or "
                                                  "'history SUITE' / 'bisect GOOD..BAD SUITE'")
     p.add_argument("words", nargs="*", metavar="ARG", help=argparse.SUPPRESS)
