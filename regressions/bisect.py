@@ -1,8 +1,9 @@
 """``layerscope regress bisect GOOD..BAD SUITE``: the first bad commit, and why.
 
 1. Calibrate: one regress session GOOD vs BAD (``--repetitions``, default the suite's)
-   picks the cell (workload x config) and the metric that regressed most (or
-   ``--metric``); nothing regressed is exit status 1, nothing to bisect.
+   picks the cell (workload x config) and the metric (or ``--metric``): gated before
+   merely significant, then the one whose change stands clearest of its spread (fewest
+   repetitions needed, step 2); nothing worse is exit status 1, nothing to bisect.
 2. Size the steps: unless ``--repetitions`` is given, each later step runs
    ``n = ceil(8 z^2 s^2 / d^2)`` repetitions per version (clamped to 2..10), where ``d``
    is the GOOD -> BAD change and ``s`` the spread of one repetition's value (both
@@ -210,16 +211,21 @@ def _subject(repo: Path, rev: str) -> str:
 
 
 def _pick(result, metric: str | None) -> tuple[str, str, str] | None:
-    """The (workload, config, metric) that got worse most: regressed before worse; None if none."""
+    """The (workload, config, metric) to bisect on: gated before merely significant, then the
+    one that needs the fewest repetitions to place a commit (the largest change for its
+    spread), then the largest change; None when nothing got worse."""
     best = None
     for c in result.cells:
-        comps = c["comparisons"].get(result.versions[1].label, {})
+        cand = result.versions[1].label
+        comps = c["comparisons"].get(cand, {})
         for m, g in comps.items():
             if metric is not None and m != metric:
                 continue
             if g["status"] not in ("regressed", "worse") or g.get("regression_pct") is None:
                 continue
-            key = (g["status"] == "regressed", g["regression_pct"])
+            reps = repetitions_needed(m, c["versions"][result.versions[0].label]["metrics"][m]["per_repetition"],
+                                      c["versions"][cand]["metrics"][m]["per_repetition"])
+            key = (g["status"] == "regressed", -reps, g["regression_pct"])
             if best is None or key > best[0]:
                 best = (key, (c["workload"], c["config"], m))
     return best[1] if best else None
