@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from layerscope.regressions.bisect import BisectError, commit_range, repetitions_needed, search
+from layerscope.regressions.bisect import BisectError, _pick, commit_range, repetitions_needed, search
 from layerscope.regressions.regress_cli import main as regress_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +38,27 @@ def test_repetitions_sized_by_effect_and_spread():
     assert 2 < mid <= 10
     assert repetitions_needed("tpot_p50_s", [1.0, 1.1, 0.9], [1.01, 1.11, 0.91]) == 10
     assert repetitions_needed("tpot_p50_s", [1.0], [1.2]) == 10  # no spread measured
+
+
+def test_pick_prefers_the_metric_clearest_of_its_spread():
+    """Measured here: TPOT +384% with repetitions of 12, 7 and 40 ms would need 10 repetitions a
+    step; TTFT +319% with 0.41-0.53 s against 0.09-0.20 s needs 2: bisect on TTFT."""
+    from types import SimpleNamespace
+
+    def metric(base, cand, status, pct):
+        return status, pct, base, cand
+
+    table = {"tpot_p50_s": metric([0.0025, 0.0046, 0.0036], [0.0118, 0.0071, 0.0396], "regressed", 384.0),
+             "ttft_p50_s": metric([0.20, 0.092, 0.109], [0.41, 0.43, 0.53], "regressed", 319.0),
+             "e2e_p50_s": metric([0.26, 0.18, 0.17], [0.71, 0.56, 1.18], "worse", 310.0)}
+    cell = {"workload": "burst", "config": "default",
+            "comparisons": {"B": {m: {"status": st, "regression_pct": pct} for m, (st, pct, _, _) in table.items()}},
+            "versions": {"A": {"metrics": {m: {"per_repetition": b} for m, (_, _, b, _) in table.items()}},
+                         "B": {"metrics": {m: {"per_repetition": c} for m, (_, _, _, c) in table.items()}}}}
+    result = SimpleNamespace(cells=[cell], versions=[SimpleNamespace(label="A"), SimpleNamespace(label="B")])
+    assert _pick(result, None) == ("burst", "default", "ttft_p50_s")
+    assert _pick(result, "tpot_p50_s") == ("burst", "default", "tpot_p50_s")
+    assert _pick(result, "tpot_p99_s") is None
 
 
 @pytest.fixture(scope="module")
