@@ -1,4 +1,8 @@
-"""``layerscope regress SUITE --versions A,B,... [--out DIR]`` (registered by regressions/cli.py).
+"""``layerscope regress SUITE --versions A,B,... [--out DIR]`` (registered by regressions/cli.py),
+``layerscope regress history SUITE [--db PATH]`` (change points over the stored history,
+history.py) and ``layerscope regress bisect GOOD..BAD SUITE`` (the first bad commit,
+bisect.py). ``history`` and ``bisect`` are words, not suites: a suite file of that name
+is given with a path (``./history``).
 
 Exit status for CI: 0 no regression; 1 a metric regressed beyond the suite's threshold
 with significance (or a candidate's runs failed); 2 usage or suite errors (nothing is
@@ -23,18 +27,29 @@ def add_regress_parser(subparsers) -> None:
                "working tree as it is; endpoint:URL for an OpenAI-compatible server (bench only, client-side). "
                "exit status: 0 no regression; 1 a metric regressed beyond its threshold with significance, "
                "consistently across repetitions (or a candidate's runs failed); 2 usage or suite errors, "
-               "found before anything is written.")
-    p.add_argument("suite", metavar="SUITE", help="suite TOML file, or a shipped suite name (smoke, full)")
+               "found before anything is written. "
+               "history SUITE [--db PATH]: change points (E-divisive means, permutation test) over the stored runs, "
+               "naming the first revision after each step (exit 1 when one is a regression). "
+               "bisect GOOD..BAD SUITE [--repetitions N] [--metric M]: the first bad commit by binary search, "
+               "diagnosed against its parent (exit 1 when GOOD..BAD shows no regression).")
+    p.add_argument("suite", metavar="SUITE", help="suite TOML file, or a shipped suite name (smoke, full); or "
+                                                 "'history SUITE' / 'bisect GOOD..BAD SUITE'")
+    p.add_argument("words", nargs="*", metavar="ARG", help=argparse.SUPPRESS)
     p.add_argument("--versions", metavar="A,B,...",
                    help="git revisions, WORKTREE (the working tree as is) or endpoint:URL; the first is the baseline "
                         "(default: the suite's versions)")
     p.add_argument("--out", default="regress-results", metavar="DIR",
                    help="results directory: one folder per session, results.sqlite accumulates (default: %(default)s)")
-    p.add_argument("--store", metavar="PATH", help="result store (SQLite) to use instead of DIR/results.sqlite")
+    p.add_argument("--store", "--db", dest="store", metavar="PATH",
+                   help="result store (SQLite) to use instead of DIR/results.sqlite")
     p.add_argument("--repo", metavar="PATH", help="layerscope git checkout the revisions come from (default: the "
                                                   "one around the working directory)")
     p.add_argument("--repetitions", type=int, metavar="N", help="override the suite's repetitions")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object instead of the table")
+    p.add_argument("--metric", metavar="NAME", help="bisect: the metric to bisect on (default: the one that regressed "
+                                                   "most from GOOD to BAD); history: only this metric")
+    p.add_argument("--max-pvalue", type=float, default=0.01, metavar="P",
+                   help="history: a change point's permutation-test p-value must be at most P (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--api-key", default=None,
                    help="API key of endpoint:URL versions (passed to their bench runs as $LAYERSCOPE_API_KEY)")
@@ -42,6 +57,18 @@ def add_regress_parser(subparsers) -> None:
 
 
 def cmd_regress(args: argparse.Namespace) -> int:
+    if args.suite == "history":
+        from layerscope.regressions.history import cmd_history
+
+        return cmd_history(args)
+    if args.suite == "bisect":
+        from layerscope.regressions.bisect import cmd_bisect
+
+        return cmd_bisect(args)
+    if args.words:
+        print(f"layerscope regress: error: unexpected arguments {' '.join(args.words)} (one SUITE; or "
+              f"'history SUITE', 'bisect GOOD..BAD SUITE')", file=sys.stderr)
+        return 2
     import dataclasses
 
     from rich.console import Console

@@ -155,6 +155,10 @@ class ResultStore:
         keep = list(dict.fromkeys(out["session"]))[-num_sessions:]
         return out[out["session"].isin(keep)].reset_index(drop=True)[cols]
 
+    def suites(self) -> list[str]:
+        """Suite names with at least one run, sorted."""
+        return [r[0] for r in self._db.execute("SELECT DISTINCT suite FROM runs ORDER BY suite")]
+
     def sessions(self, suite: str | None = None) -> pd.DataFrame:
         sql = "SELECT * FROM sessions" + (" WHERE suite = ?" if suite else "") + " ORDER BY started_at"
         return pd.read_sql_query(sql, self._db, params=[suite] if suite else [])
