@@ -4,6 +4,7 @@ acts through its wrapper."""
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import pytest
@@ -160,16 +161,14 @@ def test_cli_bad_fault_and_set_exit_with_the_list(tiny_model):
 
 def test_every_fault_matrix_case_passes_the_checks(tiny_model):
     """The fault matrix's candidates are runs that have what their faults name (and inject the same faults)."""
-    from layerscope.engine.gateway.cli import add_engine_args, build_gateway
+    from layerscope.api import _fault_items, _gateway
     from layerscope.regressions import fault_matrix as fm
 
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    parser.add_argument("--profile")
     checked = set()
     for case in fm.CASES:
-        args = parser.parse_args(["--model", str(tiny_model), *case.baseline, *case.candidate])
-        gateway = build_gateway(args, record=True)  # not started: only checked
+        kw = {**case.baseline, **case.candidate}
+        gateway = _gateway(tiny_model, kw.get("config"), _fault_items(kw.get("faults")), "off",
+                           kw.get("replicas", 1), kw.get("tp", 0), None)  # not started: only checked
         checked.update(gateway.faults.to_dict())
     assert checked == set(FAULTS)  # every fault is in the matrix, and each passed its checks
 
@@ -183,4 +182,6 @@ def test_layer_delay_lands_inside_its_row(tiny_model):
     with LLM(model=str(tiny_model), recorder=rec, faults=Faults.parse(["model.layer_delay=layers.1.mlp:15"])) as llm:
         llm.generate(["hello world"], SamplingParams(max_tokens=3, ignore_eos=True))
     rows = [dict(times) for _, times in rec.recorded_since(0, 0).layer_times]
-    assert rows and all(r["layers.1.mlp"] >= 15e6 and r["layers.0.mlp"] < 15e6 for r in rows)
+    assert rows and all(r["layers.1.mlp"] >= 15e6 for r in rows)  # the delay is inside its row, every time
+    # ... and not in its neighbour's (medians: the first, cold step may be slow all over on a busy machine)
+    assert statistics.median(r["layers.0.mlp"] for r in rows) < statistics.median(r["layers.1.mlp"] for r in rows) - 10e6

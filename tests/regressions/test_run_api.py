@@ -85,7 +85,7 @@ def test_run_refuses_bad_arguments_before_starting(tiny_model, tmp_path):
         layerscope.run(model=tiny_model, workload="chat", out=tmp_path / "full")
     with pytest.raises(ValueError, match="max_num_seqs"):  # an unknown key names the known ones
         layerscope.run(model=tiny_model, workload="chat", out=tmp_path / "a", config={"max_seqs": 2})
-    with pytest.raises(ValueError, match="unknown fault 'gateway.dealy_ms'; known: gateway.delay_ms"):
+    with pytest.raises(ValueError, match="unknown fault 'gateway.dealy_ms'; faults: gateway.delay_ms"):
         layerscope.run(model=tiny_model, workload="chat", out=tmp_path / "a", faults=["gateway.dealy_ms=5"])
     assert not (tmp_path / "a").exists()
 
