@@ -96,9 +96,10 @@ def _bundle_writer_class():
         /metrics exposition where no recorder supplies one (bench)."""
 
         def __init__(self, *a, client_summary: dict[str, Any] | None = None, metrics_text: str | None = None,
-                     **kw):
+                     machine: dict[str, Any] | None = None, **kw):
             super().__init__(*a, **kw)
             self.client_summary = client_summary
+            self.machine = machine
             if metrics_text:
                 self.add_metrics_text(metrics_text)
 
@@ -106,6 +107,8 @@ def _bundle_writer_class():
             m = super()._manifest(rows)
             if self.client_summary is not None:
                 m["summary"]["client"] = self.client_summary
+            if self.machine is not None:
+                m["machine"] = self.machine  # optional key (probes/machine.py)
             return m
 
     return RunBundleWriter
@@ -196,6 +199,7 @@ def execute_run(args: argparse.Namespace) -> Path:
     """Serve, load, stop, write one bundle. Returns the bundle path."""
     from layerscope.engine.gateway.cli import build_gateway
     from layerscope.engine.gateway.server import serving
+    from layerscope.probes.machine import MachineSampler
     from layerscope.regressions.loadgen import run_load, server_in_process
 
     spec = workload_from_args(args)
@@ -209,8 +213,12 @@ def execute_run(args: argparse.Namespace) -> Path:
     gateway = build_gateway(args, record=True, recorder_kwargs=recorder_kwargs)
     with serving(gateway, args.startup_timeout) as url:
         requests = spec.build(gateway.tokenizer)
+        machine = MachineSampler()
+        machine.yardstick("before")
         with server_in_process():
+            machine.start()
             result = run_load(url, spec, requests, progress=_progress(args), timeout_s=args.timeout)
+            machine.stop().yardstick("after")
         gateway.wait_idle()
         exports = gateway.collect_replica_records()
         if gateway.recording:
@@ -219,7 +227,7 @@ def execute_run(args: argparse.Namespace) -> Path:
     writer = _bundle_writer_class()(
         out, command=_command("run", args), config=gateway.config, resolved=gateway.resolved[0],
         workload=spec.to_dict(), faults=gateway.faults, probes=args.probes, overwrite=args.overwrite,
-        client_summary=summary)
+        client_summary=summary, machine=machine.manifest_section())
     writer.start_ns, writer.end_ns = result.start_ns, result.end_ns
     for exp in exports:
         if exp is not None:
@@ -229,6 +237,7 @@ def execute_run(args: argparse.Namespace) -> Path:
     writer.add_request_fields(r.to_row() for r in gateway.records)
     writer.add_request_fields(client_rows(result))
     path = writer.write()
+    machine.write(path)
     if gateway.recording:
         gateway.recorder.shutdown()
     _report(result, path)
