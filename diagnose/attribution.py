@@ -156,10 +156,9 @@ class Causes:
             "engine.output": _z(ib.get("output_s_mean", 0) - out_exp),
         }
 
-    def _uniform_factor(self) -> dict[str, float] | None:
-        """Host, model and output time per step (at equal batch size) all scaled by about the
-        same factor, with no config or workload change: the machine was slower or busier.
-        {phase: ratio} or None."""
+    def phase_ratios(self) -> dict[str, float]:
+        """Candidate / baseline time per step of each phase at equal batch size (host, model,
+        output; collective with TP). NaN where the baseline has none."""
         e = self.expected
         r = {"host": (e["host"] + self.phase["engine.schedule"]) / e["host"] if e["host"] > 0 else math.nan,
              "model": (e["model"] + self.phase["model.forward"]) / e["model"] if e["model"] > 0 else math.nan,
@@ -167,6 +166,34 @@ class Causes:
         ca, cb = _z(self.ia.get("collective_s_mean")), _z(self.ib.get("collective_s_mean"))
         if ca > 0:  # with TP, collectives must have scaled alike too
             r["collective"] = cb / ca
+        return r
+
+    def standout_phase(self, worse: bool, factor: float = 1.5, min_share: float = 0.1) -> dict | None:
+        """A step phase that changed (in the direction ``worse``: slower) by ``factor`` beyond the
+        median phase's factor and by at least ``min_share`` of the baseline's step time: what a
+        software change does, and a machine that is uniformly slower or busier does not.
+        {phase, ratio, others} or None."""
+        r = {k: v for k, v in self.phase_ratios().items() if v > 0 and not math.isnan(v)}
+        if len(r) < 2:
+            return None
+        logs = {k: math.log(v) for k, v in r.items()}
+        names = {"host": "engine.schedule", "model": "model.forward", "output": "engine.output",
+                 "collective": "parallel.collective"}
+        step = self.ia.get("step_s_mean") or math.nan
+        for k, lv in sorted(logs.items(), key=lambda kv: -kv[1] if worse else kv[1]):
+            rest = [x for j, x in logs.items() if j != k]
+            base = float(np.median(rest))
+            beyond = (lv - base) if worse else (base - lv)
+            delta = self.phase.get(names[k], math.nan) if k != "collective" else self.phase["parallel.collective"]
+            if beyond >= math.log(factor) and step > 0 and abs(delta) >= min_share * step:
+                return {"phase": names[k], "ratio": r[k], "others": math.exp(base)}
+        return None
+
+    def _uniform_factor(self) -> dict[str, float] | None:
+        """Host, model and output time per step (at equal batch size) all scaled by about the
+        same factor, with no config or workload change: the machine was slower or busier.
+        {phase: ratio} or None."""
+        r = self.phase_ratios()
         vals = [v for v in r.values() if not math.isnan(v)]
         if len(vals) < 3 or self.keys or self.workload_changed:
             return None

@@ -19,7 +19,8 @@ from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
 from layerscope.diagnose.config_diff import can_move, config_diff, diff_records, mark_consistency
 from layerscope.diagnose.load import Run
-from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_indices, compare_quantile, compare_rate
+from layerscope.diagnose.machine import machine_diff, machine_explains
+from layerscope.diagnose.stats import DEFAULT_RULE, Rule, sensitivity, block_indices, compare_quantile, compare_rate
 from layerscope.diagnose.workload import workload_diff
 
 SCHEMA = "layerscope.diagnosis/1"
@@ -94,7 +95,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     for name, m, q, kind in LATENCY_METRICS:
         if pairs is not None:
             va, vb = a.ok[f"{m}_s"].to_numpy()[pairs[0]], b.ok[f"{m}_s"].to_numpy()[pairs[1]]
-            metrics[name] = compare_quantile(va, vb, q, kind, rule, paired=True)
+            metrics[name] = compare_quantile(va, vb, q, kind, rule, paired=True, metric=name)
             metrics[name].update(baseline=float(np.nanquantile(a.ok[f"{m}_s"], q)) if a.ok[f"{m}_s"].notna().any()
                                  else math.nan,
                                  candidate=float(np.nanquantile(b.ok[f"{m}_s"], q)) if b.ok[f"{m}_s"].notna().any()
@@ -103,7 +104,8 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
             if m_["baseline"] and not math.isnan(m_["baseline"]):
                 m_["delta_pct"] = 100 * (m_["candidate"] / m_["baseline"] - 1)
         else:
-            metrics[name] = compare_quantile(a.ok[f"{m}_s"].to_numpy(), b.ok[f"{m}_s"].to_numpy(), q, kind, rule)
+            metrics[name] = compare_quantile(a.ok[f"{m}_s"].to_numpy(), b.ok[f"{m}_s"].to_numpy(), q, kind, rule,
+                                             metric=name)
     metrics[THROUGHPUT] = _throughput(a, b, rule)
     good_a, good_b = meets_slo(a.ok, the_slo), meets_slo(b.ok, the_slo)  # a.ok is in arrival order
     metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule)
@@ -128,6 +130,9 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         findings += _goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
 
     verdict = _verdict(metrics, workload_changed)
+    env = machine_diff(a, b)
+    if verdict in ("regression", "improvement") and env["changed"]:
+        verdict, findings = _machine_verdict(verdict, metrics, findings, env, causes, cdiff)
     if verdict == "workload_changed":
         wf = _workload_finding(metrics, wdiff)
         same = [f for f in findings if f["layer"] == "workload" and f["metric"] == wf["metric"]]
@@ -153,6 +158,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         "primary": primary,
         "config_diff": diff_records(cdiff),
         "workload_diff": [{k: _num(v) for k, v in r.items()} for r in wdiff.to_dict("records")],
+        "machine": _machine_json(env),
     }
     return Comparison(diagnosis, attribution, cdiff, wdiff, the_slo, a, b)
 
@@ -199,11 +205,11 @@ def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
 
     na, da = per_step(a)
     nb, db = per_step(b)
-    r = _headline(compare_rate(na, da, nb, db, rule), a.indicators["output_tokens_per_s"],
+    r = _headline(compare_rate(na, da, nb, db, rule, metric=THROUGHPUT), a.indicators["output_tokens_per_s"],
                   b.indicators["output_tokens_per_s"], rule)
     sa, sb = served_share(a), served_share(b)
     r["served_share"] = [sa, sb]
-    if r["significant"] and not abs(sb / sa - 1) >= rule.min_effect["rate"]:
+    if r["significant"] and not 100 * abs(sb / sa - 1) >= r["floor_pct"]:
         r["significant"] = r["worse"] = False
     return r
 
@@ -215,14 +221,17 @@ def _goodput(a: RunAnalysis, good_a: np.ndarray, b: RunAnalysis, good_b: np.ndar
     return goodput_change(good_a, good_b, ha, hb, rule)
 
 
-def goodput_change(good_a: np.ndarray, good_b: np.ndarray, ha: float, hb: float, rule: Rule) -> dict:
+def goodput_change(good_a: np.ndarray, good_b: np.ndarray, ha: float, hb: float, rule: Rule,
+                   run_se: float | None = None) -> dict:
     """Goodput ``ha`` -> ``hb`` from per-request SLO flags (arrival order). Called a change when
-    it moves by the minimum effect and so does the share of requests meeting the SLOs (by at
-    least 5 points, block-bootstrap CI over requests in arrival order excluding zero)."""
+    it moves beyond its floor (stats: bootstrap + run-to-run spread) and so does the share of
+    requests meeting the SLOs (by at least 5 points, block-bootstrap CI over requests in
+    arrival order excluding zero)."""
+    run_se = rule.pair_run_se(GOODPUT, "rate") if run_se is None else run_se
     fa, fb = float(good_a.mean()) if len(good_a) else math.nan, float(good_b.mean()) if len(good_b) else math.nan
     r = {"baseline": ha, "candidate": hb, "delta_pct": 100 * (hb / ha - 1) if ha > 0 else math.nan,
          "ci_pct": None, "p_value": None, "significant": False, "worse": False, "n_baseline": int(len(good_a)),
-         "n_candidate": int(len(good_b)), "slo_met_share": [fa, fb]}
+         "n_candidate": int(len(good_b)), "slo_met_share": [fa, fb], **sensitivity(math.nan, run_se, rule)}
     if len(good_a) < 20 or len(good_b) < 20 or not ha > 0:
         return r
     rng = np.random.default_rng(rule.seed)
@@ -234,7 +243,8 @@ def goodput_change(good_a: np.ndarray, good_b: np.ndarray, ha: float, hb: float,
     if fa > 0 and fb > 0:
         rel = (hb / ha) * (bb / np.where(ba > 0, ba, np.nan)) / (fb / fa) - 1
         r["ci_pct"] = [100 * float(np.nanquantile(rel, tail)), 100 * float(np.nanquantile(rel, 1 - tail))]
-    sig = abs(r["delta_pct"]) >= 100 * rule.min_effect["rate"] and abs(fb - fa) >= 0.05 and (lo > 0 or hi < 0)
+        r.update(sensitivity(float(np.nanstd(rel)), run_se, rule))
+    sig = abs(r["delta_pct"]) >= r["floor_pct"] and abs(fb - fa) >= 0.05 and (lo > 0 or hi < 0)
     r["significant"] = bool(sig)
     r["worse"] = bool(sig and hb < ha)
     return r
@@ -247,7 +257,7 @@ def _headline(r: dict, ha: float, hb: float, rule: Rule) -> dict:
     if r["ci_pct"] is not None and ha > 0:
         r["ci_pct"] = [r["ci_pct"][0] - step_rel + head_rel, r["ci_pct"][1] - step_rel + head_rel]
         lo, hi = r["ci_pct"]
-        r["significant"] = bool(abs(head_rel) >= 100 * rule.min_effect["rate"] and (lo > 0 or hi < 0))
+        r["significant"] = bool(abs(head_rel) >= r["floor_pct"] and (lo > 0 or hi < 0))
         r["worse"] = bool(r["significant"] and head_rel < 0)
     r["baseline"], r["candidate"] = ha, hb
     return r
@@ -323,6 +333,91 @@ def _goodput_findings(a: RunAnalysis, b: RunAnalysis, slo: dict, causes: Causes,
         f["evidence"].insert(0, f"requests over the {m.upper()} SLO ({ms(slo[worst])}): "
                                 f"{(a.ok[worst] > slo[worst]).mean():.0%} -> {(b.ok[worst] > slo[worst]).mean():.0%}")
     return fs
+
+
+def _higher_is_worse(name: str) -> bool:
+    return name not in (THROUGHPUT, GOODPUT)
+
+
+def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, causes: Causes,
+                     cdiff: pd.DataFrame) -> tuple[str, list[dict]]:
+    """The runs' machines differed (machine.machine_diff). Changes in the direction the machine
+    predicts become ``environment_changed`` with one ``hardware`` finding per metric, unless a
+    software change stands out beyond what the machine explains: one step phase changed by a
+    factor well beyond the others' (``Causes.standout_phase``), or a config key changed that
+    can move the layer the cause rules named. Then the software finding stays, and the machine
+    difference is added to its evidence."""
+    sig = [n for n, m in metrics.items() if m["significant"]]
+    explained = [n for n in sig if machine_explains(metrics[n], _higher_is_worse(n), env)]
+    note = "the machine differed too: " + "; ".join(e for e in env["evidence"])
+    if not explained:
+        for f in findings:
+            f["evidence"].append(note)
+        return verdict, findings
+    standout = causes.standout_phase(metrics[explained[0]].get("delta_pct", 0) * (1 if _higher_is_worse(
+        explained[0]) else -1) > 0)
+    software = [f for f in findings if f["layer"] != "hardware"]
+    top = max(software, key=lambda f: f["_score"]) if software else None
+    keyed = cdiff[cdiff["kind"].isin(["config", "resolved"])] if len(cdiff) else cdiff
+    config_move = top is not None and any(can_move(r.layer, {top["layer"]}) for r in keyed.itertuples()
+                                          if isinstance(r.layer, str))
+    if standout is not None or config_move:
+        why = (f"{standout['phase']} per step x{standout['ratio']:.2f} while the other phases moved "
+               f"x{standout['others']:.2f}" if standout is not None else
+               f"a config change can move {top['layer']}")
+        out: list[dict] = []
+        for f in findings:
+            if standout is not None and f["layer"] in _MACHINE_LAYERS and f["layer"] != standout["phase"] and (
+                    f["metric"] in explained):  # the machine's share of the change, not the software's
+                hw = next((h for h in out if h["metric"] == f["metric"] and h["layer"] == "hardware"), None)
+                if hw is None:
+                    hw = {**f, "layer": "hardware", "share": 0.0, "delta_s": 0.0, "_score": 0.0,
+                          "cause": "the machine differed between the runs: this part of the change is the busier "
+                                   "or slower machine's", "evidence": list(env["evidence"]), "_measured": []}
+                    out.append(hw)
+                hw["share"] += f["share"]
+                hw["delta_s"] += f["delta_s"]
+                hw["_score"] += f["_score"]
+                hw["_measured"] = sorted(set(hw["_measured"]) | set(f["_measured"]))
+                hw["evidence"] += [e for e in f["evidence"] if e.startswith("measured in")]
+                continue
+            f["evidence"] += [note, f"a software change stands out beyond the machine's difference: {why}"]
+            if standout is not None and f["layer"] == standout["phase"]:
+                f["_score"] += 1e9  # the software change is the finding to name, whatever the machine's share
+            out.append(f)
+        return verdict, out
+    kept = [f for f in findings if f["metric"] not in explained]
+    hw = []
+    ratios = causes.phase_ratios()
+    ratio_text = ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items() if not math.isnan(v))
+    for n in explained:
+        m = metrics[n]
+        measured = [e for f in findings if f["metric"] == n for e in f["evidence"] if e.startswith("measured in")]
+        slower = "slower" if (m["delta_pct"] or 0) * (1 if _higher_is_worse(n) else -1) > 0 else "faster"
+        hw.append({"metric": n, "layer": "hardware", "share": 1.0,
+                   "delta_s": (m["candidate"] - m["baseline"]) if n.endswith("_s") else math.nan,
+                   "cause": f"the machine differed between the runs, not the software: the candidate ran "
+                            f"{slower} on a {'busier' if slower == 'slower' else 'quieter'} or "
+                            f"{'slower' if slower == 'slower' else 'faster'} machine, and no software layer "
+                            "changed beyond what that explains",
+                   "evidence": env["evidence"] + ([f"per step at equal batch size: {ratio_text} (no phase stands "
+                                                   "out)"] if ratio_text else []) + measured,
+                   "config_changes": [], "_score": abs(m["delta_pct"] or 0) * (1.0 if m["worse"] else 0.01),
+                   "_measured": sorted({x for f in findings if f["metric"] == n for x in f["_measured"]})})
+    return "environment_changed", hw + kept
+
+
+# layers a busier or slower machine moves (every step phase, and the queues they feed)
+_MACHINE_LAYERS = {"engine.schedule", "model.forward", "engine.output", "parallel.collective", "kernel.compute",
+                   "kernel.launch_gap", "engine.queue", "hardware"}
+
+
+def _machine_json(env: dict) -> dict:
+    keys = ("recorded", "changed", "busier", "contention_changed", "speed_changed", "outside_cpu_cores",
+            "contention_p_value", "yardstick_s", "yardstick_ratio", "yardstick_p_value", "load_1m",
+            "gpu_other_procs", "evidence")
+    return {k: _num(env[k]) if not isinstance(env.get(k), list) else [_num(x) for x in env[k]]
+            for k in keys if k in env}
 
 
 def _verdict(metrics: dict, workload_changed: bool) -> str:

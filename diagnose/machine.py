@@ -1,0 +1,122 @@
+"""Did the machine differ between two runs? Contention and speed, from the bundles' machine evidence.
+
+probes/machine.py records, with every ``layerscope run``, what other processes did
+(``outside_cpu_cores`` every 0.25 s, plus hypervisor steal and GPU processes) and a
+fixed yardstick's time before and after the load. ``machine_diff`` compares them:
+
+- **contention**: the runs' samples of other processes' CPU use (outside + steal,
+  cores) differ by a rank test (Mann-Whitney p < 0.01) and by a material amount:
+  at least a quarter of a core, and at least 10% of the usable CPUs (one busy core on a
+  64-core machine is no contention);
+- **speed**: the yardstick's timings (3 before + 3 after the load in each run) differ
+  by a rank test (p < 0.05) and the medians by >= 10% (one core's speed: frequency, a
+  VM neighbour, thermal limits);
+- **GPU**: processes that are not the run's on its GPUs in one run and not the other.
+
+The run with more contention or the slower yardstick is the one "on the busier
+machine"; the comparison (``comparison.compare``) uses that to say ``environment_changed``
+instead of blaming a software layer. Bundles without machine evidence give
+``recorded: False`` and change nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from layerscope.diagnose.stats import mann_whitney_p
+
+MIN_CORES = 0.25  # a material contention difference: at least this many cores ...
+MIN_CPU_SHARE = 0.10  # ... and this share of the usable CPUs
+CONTENTION_P = 0.01
+SPEED_RATIO = 1.10
+SPEED_P = 0.05
+
+
+def _contention(df) -> np.ndarray:
+    if df is None or not len(df):
+        return np.zeros(0)
+    out = df["outside_cpu_cores"].to_numpy(np.float64)
+    steal = np.nan_to_num(df["steal_cores"].to_numpy(np.float64)) if "steal_cores" in df else 0.0
+    v = out + steal
+    return v[~np.isnan(v)]
+
+
+def _yardstick(section: dict | None) -> list[float]:
+    y = (section or {}).get("yardstick") or {}
+    return [float(x) for x in (y.get("before_s") or []) + (y.get("after_s") or []) if x is not None]
+
+
+def machine_diff(a, b) -> dict[str, Any]:
+    """Compare the machine evidence of two RunAnalysis objects (module doc).
+
+    Returns recorded, changed, busier ("baseline" | "candidate" | None: the run whose
+    machine was busier or slower; None when neither or they disagree), contention_changed,
+    speed_changed, outside_cpu_cores [baseline, candidate] (means), contention_p_value,
+    yardstick_s [medians], yardstick_ratio, yardstick_p_value, load_1m, gpu_other_procs,
+    evidence (sentences)."""
+    (da, sa), (db, sb) = a.machine, b.machine
+    out: dict[str, Any] = {"recorded": sa is not None and sb is not None, "changed": False, "busier": None,
+                           "contention_changed": False, "speed_changed": False, "evidence": []}
+    for key in ("outside_cpu_cores_mean", "load_1m_mean", "gpu_other_procs_max"):
+        out[key.replace("_mean", "").replace("_max", "")] = [(sa or {}).get(key), (sb or {}).get(key)]
+    if not out["recorded"]:
+        out["evidence"].append("no machine evidence recorded in " + " and ".join(
+            n for n, s in (("the baseline", sa), ("the candidate", sb)) if s is None))
+        return out
+    votes: list[str] = []
+    ca, cb = _contention(da), _contention(db)
+    if len(ca) >= 4 and len(cb) >= 4:
+        ma, mb = float(ca.mean()), float(cb.mean())
+        cpus = max(int(sa.get("cpus_usable") or 1), int(sb.get("cpus_usable") or 1))
+        p = mann_whitney_p(ca, cb)
+        out.update(outside_cpu_cores=[ma, mb], contention_p_value=p)
+        material = abs(mb - ma) >= max(MIN_CORES, MIN_CPU_SHARE * cpus)
+        if material and p < CONTENTION_P:
+            out["contention_changed"] = True
+            busier = "candidate" if mb > ma else "baseline"
+            votes.append(busier)
+            out["evidence"].append(f"other processes used {ma:.2f} -> {mb:.2f} cores of {cpus} while the runs were "
+                                   f"recorded (Mann-Whitney p={p:.2g} over {len(ca)}/{len(cb)} samples): the "
+                                   f"{busier} ran on the busier machine")
+        else:
+            out["evidence"].append(f"other processes used {ma:.2f} -> {mb:.2f} cores of {cpus} "
+                                   f"(p={p:.2g}): {'not a material difference' if not material else 'not significant'}")
+    ya, yb = _yardstick(sa), _yardstick(sb)
+    if len(ya) >= 2 and len(yb) >= 2:
+        ra, rb = float(np.median(ya)), float(np.median(yb))
+        ratio = rb / ra if ra > 0 else math.nan
+        p = mann_whitney_p(np.array(ya), np.array(yb))
+        out.update(yardstick_s=[ra, rb], yardstick_ratio=ratio, yardstick_p_value=p)
+        if (ratio >= SPEED_RATIO or ratio <= 1 / SPEED_RATIO) and p < SPEED_P:
+            out["speed_changed"] = True
+            slower = "candidate" if ratio > 1 else "baseline"
+            votes.append(slower)
+            out["evidence"].append(f"the fixed yardstick took {ra * 1e3:.3g} -> {rb * 1e3:.3g} ms (x{ratio:.2f}, "
+                                   f"p={p:.2g}): the {slower} ran on the slower machine")
+        else:
+            out["evidence"].append(f"the fixed yardstick took {ra * 1e3:.3g} -> {rb * 1e3:.3g} ms (x{ratio:.2f}): "
+                                   "same speed")
+    ga, gb = out["gpu_other_procs"]
+    if ga is not None and gb is not None and (ga > 0) != (gb > 0):
+        busier = "candidate" if gb > ga else "baseline"
+        votes.append(busier)
+        out["evidence"].append(f"other processes on the GPU {ga:.0f} -> {gb:.0f}: the {busier} shared its GPU")
+    out["changed"] = bool(votes)
+    out["busier"] = votes[0] if votes and all(v == votes[0] for v in votes) else None
+    return out
+
+
+def machine_explains(metric: dict, higher_is_worse: bool, env: dict[str, Any]) -> bool:
+    """Whether a significant change of one metric is in the direction the machine difference
+    predicts (the run on the busier machine is the slower one); any direction when the
+    evidence points both ways."""
+    if not env.get("changed"):
+        return False
+    if env.get("busier") is None:
+        return True
+    d = metric.get("delta_pct") or 0.0
+    cand_worse = (d > 0) == higher_is_worse
+    return cand_worse == (env["busier"] == "candidate")
