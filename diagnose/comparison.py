@@ -148,6 +148,8 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         f["config_changes"] = [_change_text(r) for r in cdiff.itertuples() if can_move(r.layer, {f["layer"]})]
     primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
                else None)
+    if primary is not None and findings[0].get("alternatives"):  # can't tell: the layer both share, both named
+        primary["alternatives"] = [a["layer"] for a in findings[0]["alternatives"]]
     diagnosis = {
         "schema": SCHEMA,
         "baseline": a.name,
@@ -294,8 +296,9 @@ def _findings(name: str, comp: pd.DataFrame, causes: Causes, metric: dict, label
         evidence: list[str] = []
         for p in sorted(f["parts"], key=lambda p: -abs(p.delta_s)):
             evidence += [e for e in p.evidence if e not in evidence]
+        alts = [dict(a, cause=_faster(a["cause"]) if main.delta_s < 0 else a["cause"]) for a in main.alternatives]
         out.append({"metric": name, "layer": layer, "share": round(share, 4), "delta_s": f["delta_s"],
-                    "cause": cause, "evidence": evidence, "config_changes": [],
+                    "cause": cause, "evidence": evidence, "config_changes": [], "alternatives": alts,
                     "_score": abs(metric["delta_pct"]) * share * (1.0 if metric["worse"] else 0.01),
                     "_measured": sorted(f["measured"])})
     return out
@@ -402,7 +405,8 @@ def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dic
                             "changed beyond what that explains",
                    "evidence": env["evidence"] + ([f"per step at equal batch size: {ratio_text} (no phase stands "
                                                    "out)"] if ratio_text else []) + measured,
-                   "config_changes": [], "_score": abs(m["delta_pct"] or 0) * (1.0 if m["worse"] else 0.01),
+                   "config_changes": [], "alternatives": [],
+                   "_score": abs(m["delta_pct"] or 0) * (1.0 if m["worse"] else 0.01),
                    "_measured": sorted({x for f in findings if f["metric"] == n for x in f["_measured"]})})
     return "environment_changed", hw + kept
 
@@ -440,7 +444,8 @@ def _workload_finding(metrics: dict, wdiff: pd.DataFrame) -> dict:
     d = (m["candidate"] - m["baseline"]) if m["candidate"] is not None else math.nan
     return {"metric": name, "layer": "workload", "share": 1.0, "delta_s": d if name.endswith("_s") else math.nan,
             "cause": "the offered load changed between the runs; layer shares below describe the mechanics, not "
-                     "a regression of the system", "evidence": ev, "config_changes": [], "_score": math.inf,
+                     "a regression of the system", "evidence": ev, "config_changes": [], "alternatives": [],
+            "_score": math.inf,
             "_measured": []}
 
 
