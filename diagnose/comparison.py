@@ -418,7 +418,7 @@ _MACHINE_LAYERS = {"engine.schedule", "model.forward", "engine.output", "paralle
 
 def _machine_json(env: dict) -> dict:
     keys = ("recorded", "changed", "busier", "contention_changed", "speed_changed", "outside_cpu_cores",
-            "contention_p_value", "yardstick_s", "yardstick_ratio", "yardstick_p_value", "load_1m",
+            "contention_p_value", "run_wait_share", "run_wait_p_value", "yardstick_s", "yardstick_ratio", "yardstick_p_value", "load_1m",
             "gpu_other_procs", "evidence")
     return {k: _num(env[k]) if not isinstance(env.get(k), list) else [_num(x) for x in env[k]]
             for k in keys if k in env}

@@ -7,7 +7,9 @@ fixed yardstick's time before and after the load. ``machine_diff`` compares them
 - **contention**: the runs' samples of other processes' CPU use (outside + steal,
   cores) differ by a rank test (Mann-Whitney p < 0.01) and by a material amount:
   at least a quarter of a core, and at least 10% of the usable CPUs (one busy core on a
-  64-core machine is no contention);
+  64-core machine is no contention); or, on a saturated machine where the CPUs are busy
+  either way, the share of the time the run's threads were runnable that they spent
+  waiting for a CPU (schedstat) differs by a rank test (p < 0.01) and by >= 10 points;
 - **speed**: the yardstick's timings (3 before + 3 after the load in each run) differ
   by a rank test (p < 0.05) and the medians by >= 10% (one core's speed: frequency, a
   VM neighbour, thermal limits);
@@ -30,6 +32,7 @@ from layerscope.diagnose.stats import mann_whitney_p
 
 MIN_CORES = 0.25  # a material contention difference: at least this many cores ...
 MIN_CPU_SHARE = 0.10  # ... and this share of the usable CPUs
+MIN_WAIT_SHARE = 0.10  # or the run's CPU wait share differs by this (a saturated machine)
 CONTENTION_P = 0.01
 SPEED_RATIO = 1.10
 SPEED_P = 0.05
@@ -42,6 +45,17 @@ def _contention(df) -> np.ndarray:
     steal = np.nan_to_num(df["steal_cores"].to_numpy(np.float64)) if "steal_cores" in df else 0.0
     v = out + steal
     return v[~np.isnan(v)]
+
+
+def _wait_share(df) -> np.ndarray:
+    """Per sample: run-queue wait / (wait + CPU) of the run's threads (0..1)."""
+    if df is None or not len(df) or "run_wait_cores" not in df:
+        return np.zeros(0)
+    w = df["run_wait_cores"].to_numpy(np.float64)
+    c = df["run_cpu_cores"].to_numpy(np.float64)
+    tot = w + c
+    ok = ~np.isnan(tot) & (tot > 0.02)  # samples where the run wanted a CPU at all
+    return w[ok] / tot[ok]
 
 
 def _yardstick(section: dict | None) -> list[float]:
@@ -84,6 +98,20 @@ def machine_diff(a, b) -> dict[str, Any]:
         else:
             out["evidence"].append(f"other processes used {ma:.2f} -> {mb:.2f} cores of {cpus} "
                                    f"(p={p:.2g}): {'not a material difference' if not material else 'not significant'}")
+    wa, wb = _wait_share(da), _wait_share(db)
+    if len(wa) >= 4 and len(wb) >= 4:
+        ma, mb = float(wa.mean()), float(wb.mean())
+        p = mann_whitney_p(wa, wb)
+        out.update(run_wait_share=[ma, mb], run_wait_p_value=p)
+        if abs(mb - ma) >= MIN_WAIT_SHARE and p < CONTENTION_P:
+            out["contention_changed"] = True
+            busier = "candidate" if mb > ma else "baseline"
+            votes.append(busier)
+            out["evidence"].append(f"the run's threads waited for a CPU {ma:.0%} -> {mb:.0%} of the time they were "
+                                   f"runnable (Mann-Whitney p={p:.2g}): the {busier} ran on the busier machine")
+        else:
+            out["evidence"].append(f"the run's threads waited for a CPU {ma:.0%} -> {mb:.0%} of the time they were "
+                                   f"runnable (p={p:.2g}): {'not significant' if abs(mb - ma) >= MIN_WAIT_SHARE else 'not a material difference'}")
     ya, yb = _yardstick(sa), _yardstick(sb)
     if len(ya) >= 2 and len(yb) >= 2:
         ra, rb = float(np.median(ya)), float(np.median(yb))

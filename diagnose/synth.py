@@ -444,6 +444,7 @@ def _machine(spec: SynthSpec, out: Path, duration_ns: int) -> dict[str, Any]:
     run = np.clip(0.8 + rng.normal(0, 0.1, n), 0, 2)
     cols = {"t_ns": ORIGIN_NS + (np.arange(n) + 1) * 250_000_000, "interval_s": np.full(n, 0.25),
             "cpu_busy_cores": outside + run, "run_cpu_cores": run, "outside_cpu_cores": outside,
+            "run_wait_cores": np.clip(0.5 * outside * run + rng.normal(0, 0.02, n), 0, None),
             "steal_cores": np.zeros(n), "load_1m": outside + run, "cpu_freq_mhz": np.full(n, 2600.0)}
     for c in ("gpu_util_pct", "gpu_other_procs", "gpu_other_memory_bytes"):
         cols[c] = np.full(n, np.nan)

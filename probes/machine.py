@@ -8,7 +8,9 @@ machine did, so ``layerscope run`` records:
 - ``machine.parquet`` (``schema.MACHINE``): every ``interval_s`` while the run is
   recorded, the CPU time of the whole machine and of the run's own process tree
   (CPU-seconds per second, i.e. cores busy), their difference (``outside_cpu_cores``:
-  other processes), hypervisor steal, the 1-minute load average, the CPU frequency
+  other processes), the time the run's threads waited runnable for a CPU
+  (``run_wait_cores``: on a saturated machine the CPUs are busy either way, and this is
+  what shows that others held the run back), hypervisor steal, the 1-minute load average, the CPU frequency
   where readable, and on CUDA machines with NVML the GPU's utilisation and the
   processes on it that are not the run's;
 - ``manifest["machine"]``: a fixed yardstick (``YARDSTICK_WORK``: a short, fixed
@@ -137,12 +139,14 @@ class MachineSampler:
         self._gpu = _Gpu()
         root = psutil.Process(self.root_pid)
         seen: dict[int, float] = {}  # pid -> its CPU seconds at the last sample
+        waited: dict[int, float] = {}  # pid -> its threads' run-queue wait seconds at the last sample
         ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-        def tree_cpu(first: bool = False) -> tuple[float, set[int]]:
-            """CPU seconds the run's tree used since the last sample (exited processes keep their last
-            count; a process new since the last sample counts all its CPU time)."""
-            d, pids = 0.0, set()
+        def tree_cpu(first: bool = False) -> tuple[float, float, set[int]]:
+            """CPU seconds the run's tree used, and seconds its threads waited runnable for a CPU
+            (/proc/PID/task/*/schedstat), since the last sample (exited processes keep their last
+            count; a process new since the last sample counts all its time)."""
+            d, w, pids = 0.0, 0.0, set()
             try:
                 procs = [root] + root.children(recursive=True)
             except psutil.Error:
@@ -156,7 +160,11 @@ class MachineSampler:
                 pids.add(p.pid)
                 d += max(c - seen.get(p.pid, c if first else 0.0), 0.0)
                 seen[p.pid] = c
-            return d, pids
+                q = _wait_s(p.pid)
+                if not math.isnan(q):
+                    w += max(q - waited.get(p.pid, q if first else 0.0), 0.0)
+                    waited[p.pid] = q
+            return d, w, pids
 
         def machine_cpu() -> tuple[float, float]:
             t = psutil.cpu_times()
@@ -165,11 +173,12 @@ class MachineSampler:
             total -= getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
             return total - idle, getattr(t, "steal", math.nan)
 
+        has_schedstat = os.path.exists(f"/proc/{self.root_pid}/task")
         tree_cpu(first=True)  # baseline counts
         busy0, steal0 = machine_cpu()
         t0 = time.monotonic()
         while not self._stop.wait(self.interval_s):
-            run_s, pids = tree_cpu()
+            run_s, wait_s, pids = tree_cpu()
             busy1, steal1 = machine_cpu()
             t1 = time.monotonic()
             dt = t1 - t0
@@ -180,6 +189,7 @@ class MachineSampler:
             self.rows.append({
                 "t_ns": time.monotonic_ns(), "interval_s": dt, "cpu_busy_cores": busy, "run_cpu_cores": run_s / dt,
                 "outside_cpu_cores": float(np.clip(busy - run_s / dt, 0.0, ncpu)),
+                "run_wait_cores": wait_s / dt if has_schedstat else math.nan,
                 "steal_cores": (steal1 - steal0) / dt if not math.isnan(steal1) else math.nan,
                 "load_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan,
                 "cpu_freq_mhz": _cpu_freq_mhz(), "gpu_util_pct": util, "gpu_other_procs": procs,
@@ -215,6 +225,7 @@ class MachineSampler:
             "outside_cpu_cores_mean": stat("outside_cpu_cores", np.mean),
             "outside_cpu_cores_p90": stat("outside_cpu_cores", lambda v: np.quantile(v, 0.9)),
             "run_cpu_cores_mean": stat("run_cpu_cores", np.mean),
+            "run_wait_cores_mean": stat("run_wait_cores", np.mean),
             "steal_cores_mean": stat("steal_cores", np.mean),
             "load_1m_mean": stat("load_1m", np.mean),
             "cpu_freq_mhz_mean": stat("cpu_freq_mhz", np.mean),
@@ -227,6 +238,24 @@ class MachineSampler:
         from layerscope.probes.bundle import write_table
 
         write_table(Path(bundle_dir) / MACHINE_FILE, self.table())
+
+
+def _wait_s(pid: int) -> float:
+    """Seconds the threads of ``pid`` spent runnable but waiting for a CPU (Linux schedstat;
+    NaN elsewhere). On a saturated machine this, not other processes' CPU time (the CPUs
+    are busy either way), shows how much others held the run back."""
+    total = 0.0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return math.nan
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 def read_machine(path: str | Path, manifest: dict[str, Any] | None = None):

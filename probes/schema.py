@@ -185,6 +185,7 @@ MACHINE = pa.schema(
         ("cpu_busy_cores", pa.float64()),  # every process on the machine (steal excluded)
         ("run_cpu_cores", pa.float64()),  # the run's own process tree
         ("outside_cpu_cores", pa.float64()),  # busy - run: other processes
+        ("run_wait_cores", pa.float64()),  # the run's threads runnable but waiting for a CPU (schedstat)
         ("steal_cores", pa.float64()),  # hypervisor steal (other VMs)
         ("load_1m", pa.float64()),
         ("cpu_freq_mhz", pa.float64()),
