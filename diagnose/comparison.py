@@ -19,7 +19,7 @@ from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
 from layerscope.diagnose.config_diff import can_move, config_diff, diff_records, mark_consistency
 from layerscope.diagnose.load import Run
-from layerscope.diagnose.machine import machine_diff, machine_explains
+from layerscope.diagnose.machine import machine_diff, machine_explains, machine_relevant
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, sensitivity, block_indices, compare_quantile, compare_rate
 from layerscope.diagnose.workload import workload_diff
 
@@ -131,7 +131,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
 
     verdict = _verdict(metrics, workload_changed)
     env = machine_diff(a, b)
-    if verdict in ("regression", "improvement") and env["changed"]:
+    if verdict in ("regression", "improvement") and machine_relevant(env):
         verdict, findings = _machine_verdict(verdict, metrics, findings, env, causes, cdiff)
     if verdict == "workload_changed":
         wf = _workload_finding(metrics, wdiff)
@@ -357,8 +357,12 @@ def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dic
         for f in findings:
             f["evidence"].append(note)
         return verdict, findings
+    # a phase stands out when it moved beyond the other phases by more than the machine's own speed
+    # range (the yardstick's slowest/fastest): multi-threaded phases suffer more from contention
+    rng = env.get("machine_range")
+    factor = max(1.5, rng if rng is not None and not math.isnan(rng) else 1.0)
     standout = causes.standout_phase(metrics[explained[0]].get("delta_pct", 0) * (1 if _higher_is_worse(
-        explained[0]) else -1) > 0)
+        explained[0]) else -1) > 0, factor=factor)
     software = [f for f in findings if f["layer"] != "hardware"]
     top = max(software, key=lambda f: f["_score"]) if software else None
     keyed = cdiff[cdiff["kind"].isin(["config", "resolved"])] if len(cdiff) else cdiff
@@ -366,7 +370,7 @@ def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dic
                                           if isinstance(r.layer, str))
     if standout is not None or config_move:
         why = (f"{standout['phase']} per step x{standout['ratio']:.2f} while the other phases moved "
-               f"x{standout['others']:.2f}" if standout is not None else
+               f"x{standout['others']:.2f}, beyond the machine's own range x{factor:.2f}" if standout is not None else
                f"a config change can move {top['layer']}")
         out: list[dict] = []
         for f in findings:
@@ -397,12 +401,12 @@ def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dic
         m = metrics[n]
         measured = [e for f in findings if f["metric"] == n for e in f["evidence"] if e.startswith("measured in")]
         slower = "slower" if (m["delta_pct"] or 0) * (1 if _higher_is_worse(n) else -1) > 0 else "faster"
+        who = env.get("busier") or env.get("leaning")
         hw.append({"metric": n, "layer": "hardware", "share": 1.0,
                    "delta_s": (m["candidate"] - m["baseline"]) if n.endswith("_s") else math.nan,
-                   "cause": f"the machine differed between the runs, not the software: the candidate ran "
-                            f"{slower} on a {'busier' if slower == 'slower' else 'quieter'} or "
-                            f"{'slower' if slower == 'slower' else 'faster'} machine, and no software layer "
-                            "changed beyond what that explains",
+                   "cause": f"the machine, not the software: the candidate ran {slower}, the {who or 'machine'} "
+                            f"{'was busier' if who else 'varied'} (evidence below), and no software layer changed "
+                            "beyond what that explains",
                    "evidence": env["evidence"] + ([f"per step at equal batch size: {ratio_text} (no phase stands "
                                                    "out)"] if ratio_text else []) + measured,
                    "config_changes": [], "alternatives": [],
@@ -418,7 +422,7 @@ _MACHINE_LAYERS = {"engine.schedule", "model.forward", "engine.output", "paralle
 
 def _machine_json(env: dict) -> dict:
     keys = ("recorded", "changed", "busier", "contention_changed", "speed_changed", "outside_cpu_cores",
-            "contention_p_value", "run_wait_share", "run_wait_p_value", "yardstick_s", "yardstick_ratio", "yardstick_p_value", "load_1m",
+            "contention_p_value", "run_wait_share", "run_wait_p_value", "machine_range", "leaning", "yardstick_s", "yardstick_ratio", "yardstick_p_value", "load_1m",
             "gpu_other_procs", "evidence")
     return {k: _num(env[k]) if not isinstance(env.get(k), list) else [_num(x) for x in env[k]]
             for k in keys if k in env}

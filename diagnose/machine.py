@@ -13,7 +13,15 @@ fixed yardstick's time before and after the load. ``machine_diff`` compares them
 - **speed**: the yardstick's timings (3 before + 3 after the load in each run) differ
   by a rank test (p < 0.05) and the medians by >= 10% (one core's speed: frequency, a
   VM neighbour, thermal limits);
-- **GPU**: processes that are not the run's on its GPUs in one run and not the other.
+- **GPU**: processes that are not the run's on its GPUs in one run and not the other;
+- **instability**: the yardstick is a fixed workload, so the range of its 12 timings
+  (slowest over fastest, both runs pooled: ``machine_range``) is how much the machine's
+  speed for this run varied while the two runs were recorded. On a quiet machine it is a
+  few percent; on an oversubscribed one it can be 10x, and then no step phase's change
+  within that factor can be told from the machine's (``comparison``). Latencies that
+  include queueing move by more than the machine's factor (a queue amplifies a slower
+  server), so the comparison tests the per-step phases against the range, not the
+  latencies.
 
 The run with more contention or the slower yardstick is the one "on the busier
 machine"; the comparison (``comparison.compare``) uses that to say ``environment_changed``
@@ -35,6 +43,7 @@ MIN_CPU_SHARE = 0.10  # ... and this share of the usable CPUs
 MIN_WAIT_SHARE = 0.10  # or the run's CPU wait share differs by this (a saturated machine)
 CONTENTION_P = 0.01
 SPEED_RATIO = 1.10
+UNSTABLE_RANGE = 1.25  # the yardstick's slowest/fastest over both runs: the machine's speed varied
 SPEED_P = 0.05
 
 
@@ -132,19 +141,44 @@ def machine_diff(a, b) -> dict[str, Any]:
         busier = "candidate" if gb > ga else "baseline"
         votes.append(busier)
         out["evidence"].append(f"other processes on the GPU {ga:.0f} -> {gb:.0f}: the {busier} shared its GPU")
+    pooled = ya + yb
+    if len(ya) >= 2 and len(yb) >= 2:
+        lo, hi = min(pooled), max(pooled)
+        out["machine_range"] = float(hi / lo) if lo > 0 else math.nan
+        if out["machine_range"] >= UNSTABLE_RANGE:
+            out["evidence"].append(f"the yardstick's timings ranged x{out['machine_range']:.2f} (slowest/fastest over "
+                                   f"both runs): the machine's speed varied that much while the runs were recorded")
     out["changed"] = bool(votes)
     out["busier"] = votes[0] if votes and all(v == votes[0] for v in votes) else None
+    if out["busier"] is None and not votes and "yardstick_ratio" in out and abs(math.log(out["yardstick_ratio"])) > 0:
+        out["leaning"] = "candidate" if out["yardstick_ratio"] > 1 else "baseline"  # not significant
     return out
 
 
 def machine_explains(metric: dict, higher_is_worse: bool, env: dict[str, Any]) -> bool:
-    """Whether a significant change of one metric is in the direction the machine difference
-    predicts (the run on the busier machine is the slower one); any direction when the
-    evidence points both ways."""
+    """Whether the machine can explain a significant change of one metric: its speed varied
+    while the runs were recorded (``machine_range`` >= 1.25: then in either direction), or
+    the runs' machines differed significantly and the change goes the way that predicts
+    (the run on the busier machine is the slower one; either way when the evidence points
+    both ways)."""
+    d = metric.get("delta_pct")
+    if d is None or (isinstance(d, float) and math.isnan(d)):
+        return False
+    if unstable(env):
+        return True
     if not env.get("changed"):
         return False
     if env.get("busier") is None:
         return True
-    d = metric.get("delta_pct") or 0.0
     cand_worse = (d > 0) == higher_is_worse
     return cand_worse == (env["busier"] == "candidate")
+
+
+def unstable(env: dict[str, Any]) -> bool:
+    rng = env.get("machine_range")
+    return rng is not None and not math.isnan(rng) and rng >= UNSTABLE_RANGE
+
+
+def machine_relevant(env: dict[str, Any]) -> bool:
+    """The machine differed between the runs, or its speed varied while they ran."""
+    return bool(env.get("changed") or unstable(env))
