@@ -255,17 +255,21 @@ class Causes:
             more = self._more_steps(delta_s, layer)
             if more:
                 return more
+            exp = self.expected["host" if layer == "engine.schedule" else "output"]
+            if not s * self.phase[layer] >= 0.1 * exp:  # per step at equal batch size not >= 10% slower (faster)
+                return self._steps_per_work(delta_s, layer, metric)
         if layer == "engine.schedule":
+            e = self.expected["host"]
             return [Part("engine.schedule", delta_s, "host time per step (scheduling, input preparation) grew",
-                         [f"host time per step {ms(self.ia['schedule_s_mean'] + _z(self.ia['prepare_s_mean']))} -> "
-                          f"{ms(self.ib['schedule_s_mean'] + _z(self.ib['prepare_s_mean']))}",
+                         [f"host time per step at equal batch size {ms(e)} -> {ms(e + self.phase['engine.schedule'])}",
                           f"host share of step time {pct(self.ia['host_share'])} -> {pct(self.ib['host_share'])}"])]
         if layer == "parallel.collective":
             return [Part("parallel.collective", delta_s, "tensor-parallel collectives got slower",
                          self._collective_evidence())]
         if layer == "engine.output":
+            e = self.expected["output"]
             return [Part("engine.output", delta_s, "output processing / streaming back got slower",
-                         [f"output phase per step {ms(self.ia['output_s_mean'])} -> {ms(self.ib['output_s_mean'])}"])]
+                         [f"output phase per step at equal batch size {ms(e)} -> {ms(e + self.phase['engine.output'])}"])]
         return [Part(layer, delta_s, f"time in {layer} changed")]
 
     # ---- queueing ----
@@ -346,6 +350,52 @@ class Causes:
         if self.workload_changed:
             return [Part("workload", d, "requests take part in more steps: the offered load changed", ev)]
         return []
+
+    def _steps_per_work(self, d: float, layer: str, metric: str) -> list[Part]:
+        """Time in a per-step phase moved although the phase per step at equal batch size did not
+        move that way: the batches changed. Per output token (throughput), smaller batches pay
+        the per-step costs more often; per request (latencies), larger batches make each step's
+        phase longer."""
+        s = 1.0 if d >= 0 else -1.0
+        ia, ib = self.ia, self.ib
+        per = "host time" if layer == "engine.schedule" else "output phase"
+        exp = self.expected["host" if layer == "engine.schedule" else "output"]
+        unchanged = f"{per} per step at equal batch size {ms(exp)} -> {ms(exp + self.phase[layer])} (did not move this way)"
+        if metric != "output_tokens_per_s" and not metric.startswith("goodput"):
+            sa, sb = self.a.run.steps, self.b.run.steps
+            ra = float((sa["num_prefill_seqs"].fillna(0) + sa["num_decode_seqs"].fillna(0)).mean()) if len(sa) else math.nan
+            rb = float((sb["num_prefill_seqs"].fillna(0) + sb["num_decode_seqs"].fillna(0)).mean()) if len(sb) else math.nan
+            ev = [f"requests per step {ra:.2f} -> {rb:.2f}", unchanged]
+            if not s * (rb - ra) > 0:
+                return [Part(layer, d, f"time in {layer} per request changed with no per-step or batch-size change "
+                             "to explain it", [unchanged])]
+            comp = self._composition(d)
+            parts = comp if isinstance(comp, list) else [comp]
+            for p in parts:
+                if p.layer == "model.forward":  # (_composition's default speaks of forwards)
+                    p.layer, p.cause = layer, "more requests share each step (larger batches), so each step's " \
+                                              f"{per} is longer"
+                p.evidence = ev + [e for e in p.evidence if not e.startswith("batch tokens per step")]
+            return parts
+        ta = ia["output_tokens"] / ia["num_steps"] if ia["num_steps"] else math.nan
+        tb = ib["output_tokens"] / ib["num_steps"] if ib["num_steps"] else math.nan
+        ev = [f"output tokens per step {ta:.2f} -> {tb:.2f}", unchanged]
+        if not s * (ta - tb) > 0:
+            return [Part(layer, d, f"time in {layer} per output token changed with no per-step or batch-size change "
+                         "to explain it", [unchanged])]
+        x, y = (ia, ib) if s > 0 else (ib, ia)
+        for key, lyr in (("max_num_seqs", "engine.queue"), ("max_num_batched_tokens", "engine.queue"),
+                         ("enable_chunked_prefill", "engine.schedule"), ("num_kv_blocks", "engine.kv"),
+                         ("resolved.num_kv_blocks", "engine.kv"), ("block_size", "engine.kv")):
+            if key in self.keys:
+                return [Part(lyr, d, f"steps carry fewer tokens each ({key} changed), so the per-step costs are "
+                             "paid more often", ev)]
+        if y["kv_exhausted_frac"] - x["kv_exhausted_frac"] >= 0.05 or y["num_preemptions"] > 2 * x["num_preemptions"] + 5:
+            return [Part("engine.kv", d, "KV cache exhausted: smaller batches, so the per-step costs are paid more "
+                         "often", self._kv_evidence() + ev)]
+        if self.workload_changed:
+            return [Part("workload", d, "steps carry fewer tokens each: the offered load changed", ev)]
+        return [Part(layer, d, "steps carry fewer tokens each, so the per-step costs are paid more often", ev)]
 
     # ---- model time ----
     def _forward(self, d: float, from_slowdown: bool = False) -> list[Part]:
