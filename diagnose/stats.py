@@ -37,10 +37,14 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
-# Relative run-to-run spread (SD of log(metric) between identical runs) of each metric,
-# measured from quiet A/A pairs of `layerscope run` (tiny model, chat workload) on this
-# project's shared 2-core machine: `python -m layerscope.regressions.aa_check report`
-# (docs/diagnose.md, sensitivity table). Keys: metric names, then kinds as the fallback.
+# Prior run-to-run spread (relative SD between identical runs) of each metric, used when
+# a comparison has no repetitions to measure it from (one run a side). Sized on the A/A
+# pairs of the fault matrix on this project's 2-core machine with other jobs running
+# (docs/diagnose.md §8: whole runs moved by up to ~20% on medians, i.e. SD ~10%); TPOT
+# and throughput move less than queue-driven TTFT. With repetitions (regress) the spread
+# is measured instead (regressions.pooled), and a machine whose speed varied during the
+# runs is caught by its own evidence (diagnose.machine), not by these figures.
+# Keys: metric names, then kinds as the fallback.
 RUN_SPREAD = {
     "ttft_p50_s": 0.10, "ttft_p99_s": 0.20, "tpot_p50_s": 0.05, "tpot_p99_s": 0.15, "e2e_p50_s": 0.08,
     "output_tokens_per_s": 0.03, "goodput_requests_per_s": 0.03,
