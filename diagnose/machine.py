@@ -56,6 +56,10 @@ def _contention(df) -> np.ndarray:
     return v[~np.isnan(v)]
 
 
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
 def _wait_share(df) -> np.ndarray:
     """Per sample: run-queue wait / (wait + CPU) of the run's threads (0..1)."""
     if df is None or not len(df) or "run_wait_cores" not in df:
@@ -131,11 +135,12 @@ def machine_diff(a, b) -> dict[str, Any]:
             out["speed_changed"] = True
             slower = "candidate" if ratio > 1 else "baseline"
             votes.append(slower)
-            out["evidence"].append(f"the fixed yardstick took {ra * 1e3:.3g} -> {rb * 1e3:.3g} ms (x{ratio:.2f}, "
+            out["evidence"].append(f"the fixed yardstick took {_ms(ra)} -> {_ms(rb)} (x{ratio:.2f}, "
                                    f"p={p:.2g}): the {slower} ran on the slower machine")
         else:
-            out["evidence"].append(f"the fixed yardstick took {ra * 1e3:.3g} -> {rb * 1e3:.3g} ms (x{ratio:.2f}): "
-                                   "same speed")
+            same = abs(math.log(ratio)) < math.log(SPEED_RATIO) if ratio > 0 else True
+            out["evidence"].append(f"the fixed yardstick took {_ms(ra)} -> {_ms(rb)} (x{ratio:.2f}, p={p:.2g}): "
+                                   + ("same speed" if same else "not a significant difference"))
     ga, gb = out["gpu_other_procs"]
     if ga is not None and gb is not None and (ga > 0) != (gb > 0):
         busier = "candidate" if gb > ga else "baseline"
