@@ -20,7 +20,7 @@ from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
 from layerscope.diagnose.config_diff import can_move, config_diff, diff_records, mark_consistency
 from layerscope.diagnose.load import Run
-from layerscope.diagnose.machine import machine_diff, machine_explains, machine_relevant
+from layerscope.diagnose.machine import machine_diff, machine_json, machine_relevant, machine_verdict
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, sensitivity, block_indices, compare_quantile, compare_rate
 from layerscope.diagnose.workload import workload_diff
 
@@ -133,7 +133,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     verdict = _verdict(metrics, workload_changed)
     env = machine_diff(a, b)
     if verdict in ("regression", "improvement") and machine_relevant(env):
-        verdict, findings = _machine_verdict(verdict, metrics, findings, env, causes, cdiff)
+        verdict, findings = machine_verdict(verdict, metrics, findings, env, causes, cdiff)
     if verdict == "workload_changed":
         wf = _workload_finding(metrics, wdiff)
         same = [f for f in findings if f["layer"] == "workload" and f["metric"] == wf["metric"]]
@@ -161,7 +161,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         "primary": primary,
         "config_diff": diff_records(cdiff),
         "workload_diff": [{k: _num(v) for k, v in r.items()} for r in wdiff.to_dict("records")],
-        "machine": _machine_json(env),
+        "machine": machine_json(env),
     }
     return Comparison(diagnosis, attribution, cdiff, wdiff, the_slo, a, b)
 
@@ -337,96 +337,6 @@ def _goodput_findings(a: RunAnalysis, b: RunAnalysis, slo: dict, causes: Causes,
         f["evidence"].insert(0, f"requests over the {m.upper()} SLO ({ms(slo[worst])}): "
                                 f"{(a.ok[worst] > slo[worst]).mean():.0%} -> {(b.ok[worst] > slo[worst]).mean():.0%}")
     return fs
-
-
-def _higher_is_worse(name: str) -> bool:
-    return name not in (THROUGHPUT, GOODPUT)
-
-
-def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, causes: Causes,
-                     cdiff: pd.DataFrame) -> tuple[str, list[dict]]:
-    """The runs' machines differed (machine.machine_diff). Changes in the direction the machine
-    predicts become ``environment_changed`` with one ``hardware`` finding per metric, unless a
-    software change stands out beyond what the machine explains: one step phase changed by a
-    factor well beyond the others' (``Causes.standout_phase``), or a config key changed that
-    can move the layer the cause rules named. Then the software finding stays, and the machine
-    difference is added to its evidence."""
-    sig = [n for n, m in metrics.items() if m["significant"]]
-    explained = [n for n in sig if machine_explains(metrics[n], _higher_is_worse(n), env)]
-    note = "the machine differed too: " + "; ".join(e for e in env["evidence"])
-    if not explained:
-        for f in findings:
-            f["evidence"].append(note)
-        return verdict, findings
-    # a phase stands out when it moved beyond the other phases by more than the machine's own speed
-    # range (the yardstick's slowest/fastest): multi-threaded phases suffer more from contention
-    rng = env.get("machine_range")
-    factor = max(1.5, rng if rng is not None and not math.isnan(rng) else 1.0)
-    standout = causes.standout_phase(metrics[explained[0]].get("delta_pct", 0) * (1 if _higher_is_worse(
-        explained[0]) else -1) > 0, factor=factor)
-    software = [f for f in findings if f["layer"] != "hardware"]
-    top = max(software, key=lambda f: f["_score"]) if software else None
-    keyed = cdiff[cdiff["kind"].isin(["config", "resolved"])] if len(cdiff) else cdiff
-    config_move = top is not None and any(can_move(r.layer, {top["layer"]}) for r in keyed.itertuples()
-                                          if isinstance(r.layer, str))
-    if standout is not None or config_move:
-        why = (f"{standout['phase']} per step x{standout['ratio']:.2f} while the other phases moved "
-               f"x{standout['others']:.2f}, beyond the machine's own range x{factor:.2f}" if standout is not None else
-               f"a config change can move {top['layer']}")
-        out: list[dict] = []
-        for f in findings:
-            if standout is not None and f["layer"] in _MACHINE_LAYERS and f["layer"] != standout["phase"] and (
-                    f["metric"] in explained):  # the machine's share of the change, not the software's
-                hw = next((h for h in out if h["metric"] == f["metric"] and h["layer"] == "hardware"), None)
-                if hw is None:
-                    hw = {**f, "layer": "hardware", "share": 0.0, "delta_s": 0.0, "_score": 0.0,
-                          "cause": "the machine differed between the runs: this part of the change is the busier "
-                                   "or slower machine's", "evidence": list(env["evidence"]), "_measured": []}
-                    out.append(hw)
-                hw["share"] += f["share"]
-                hw["delta_s"] += f["delta_s"]
-                hw["_score"] += f["_score"]
-                hw["_measured"] = sorted(set(hw["_measured"]) | set(f["_measured"]))
-                hw["evidence"] += [e for e in f["evidence"] if e.startswith("measured in")]
-                continue
-            f["evidence"] += [note, f"a software change stands out beyond the machine's difference: {why}"]
-            if standout is not None and f["layer"] == standout["phase"]:
-                f["_score"] += 1e9  # the software change is the finding to name, whatever the machine's share
-            out.append(f)
-        return verdict, out
-    kept = [f for f in findings if f["metric"] not in explained]
-    hw = []
-    ratios = causes.phase_ratios()
-    ratio_text = ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items() if not math.isnan(v))
-    for n in explained:
-        m = metrics[n]
-        measured = [e for f in findings if f["metric"] == n for e in f["evidence"] if e.startswith("measured in")]
-        slower = "slower" if (m["delta_pct"] or 0) * (1 if _higher_is_worse(n) else -1) > 0 else "faster"
-        who = env.get("busier") or env.get("leaning")
-        hw.append({"metric": n, "layer": "hardware", "share": 1.0,
-                   "delta_s": (m["candidate"] - m["baseline"]) if n.endswith("_s") else math.nan,
-                   "cause": f"the machine, not the software: the candidate ran {slower}, the {who or 'machine'} "
-                            f"{'was busier' if who else 'varied'} (evidence below), and no software layer changed "
-                            "beyond what that explains",
-                   "evidence": env["evidence"] + ([f"per step at equal batch size: {ratio_text} (no phase stands "
-                                                   "out)"] if ratio_text else []) + measured,
-                   "config_changes": [], "alternatives": [],
-                   "_score": abs(m["delta_pct"] or 0) * (1.0 if m["worse"] else 0.01),
-                   "_measured": sorted({x for f in findings if f["metric"] == n for x in f["_measured"]})})
-    return "environment_changed", hw + kept
-
-
-# layers a busier or slower machine moves (every step phase, and the queues they feed)
-_MACHINE_LAYERS = {"engine.schedule", "model.forward", "engine.output", "parallel.collective", "kernel.compute",
-                   "kernel.launch_gap", "engine.queue", "hardware"}
-
-
-def _machine_json(env: dict) -> dict:
-    keys = ("recorded", "changed", "busier", "contention_changed", "speed_changed", "outside_cpu_cores",
-            "contention_p_value", "run_wait_share", "run_wait_p_value", "machine_range", "leaning", "yardstick_s", "yardstick_ratio", "yardstick_p_value", "load_1m",
-            "gpu_other_procs", "evidence")
-    return {k: _num(env[k]) if not isinstance(env.get(k), list) else [_num(x) for x in env[k]]
-            for k in keys if k in env}
 
 
 def _verdict(metrics: dict, workload_changed: bool) -> str:
