@@ -215,16 +215,17 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     # range (the yardstick's slowest/fastest): multi-threaded phases suffer more from contention
     rng = env.get("machine_range")
     factor = max(1.5, rng if rng is not None and not math.isnan(rng) else 1.0)
-    standout = causes.standout_phase(metrics[explained[0]].get("delta_pct", 0) * (1 if _higher_is_worse(
-        explained[0]) else -1) > 0, factor=factor)
+    worse = metrics[explained[0]].get("delta_pct", 0) * (1 if _higher_is_worse(explained[0]) else -1) > 0
+    standout = causes.standout_phase(worse, factor=factor) or _standout_front(causes, findings, worse, factor)
     software = [f for f in findings if f["layer"] != "hardware"]
     top = max(software, key=lambda f: f["_score"]) if software else None
     keyed = cdiff[cdiff["kind"].isin(["config", "resolved"])] if len(cdiff) else cdiff
     config_move = top is not None and any(can_move(r.layer, {top["layer"]}) for r in keyed.itertuples()
                                           if isinstance(r.layer, str))
     if standout is not None or config_move:
-        why = (f"{standout['phase']} per step x{standout['ratio']:.2f} while the other phases moved "
-               f"x{standout['others']:.2f}, beyond the machine's own range x{factor:.2f}" if standout is not None else
+        why = (f"{standout['phase']} per {'step' if standout['phase'].startswith(('engine', 'model', 'parallel')) else 'request'}"
+               f" x{standout['ratio']:.2f} while the other phases moved x{standout['others']:.2f}, beyond the "
+               f"machine's own range x{factor:.2f}" if standout is not None else
                f"a config change can move {top['layer']}")
         out: list[dict] = []
         for f in findings:
@@ -256,6 +257,8 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
         measured = [e for f in findings if f["metric"] == n for e in f["evidence"] if e.startswith("measured in")]
         slower = "slower" if (m["delta_pct"] or 0) * (1 if _higher_is_worse(n) else -1) > 0 else "faster"
         who = env.get("busier") or env.get("leaning")
+        if who is not None and (who == "candidate") != (slower == "slower"):
+            who = None  # the evidence leans the other way: only the machine's variation explains it
         hw.append({"metric": n, "layer": "hardware", "share": 1.0,
                    "delta_s": (m["candidate"] - m["baseline"]) if n.endswith("_s") else math.nan,
                    "cause": f"the machine, not the software: the candidate ran {slower}, the {who or 'machine'} "
@@ -272,6 +275,25 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
 # layers a busier or slower machine moves (every step phase, and the queues they feed)
 _MACHINE_LAYERS = {"engine.schedule", "model.forward", "engine.output", "parallel.collective", "kernel.compute",
                    "kernel.launch_gap", "engine.queue", "hardware"}
+
+
+def _standout_front(causes, findings: list[dict], worse: bool, factor: float) -> dict | None:
+    """A front-end component (gateway.queue, gateway.route) whose per-request median moved by
+    more than the machine's own range, in a finding that carries >= 30% of its metric's change:
+    the front end is not a step phase, so standout_phase cannot see it. {phase, ratio, others}."""
+    from layerscope.diagnose.decompose import col
+
+    for f in findings:
+        if f["layer"] not in ("gateway.queue", "gateway.route") or not abs(f["share"] or 0) >= 0.3:
+            continue
+        c = col("ttft", f["layer"])
+        a, b = float(causes.a.ok[c].median()), float(causes.b.ok[c].median())
+        if not (a > 0 and b > 0):
+            continue
+        ratio = b / a if worse else a / b
+        if ratio >= factor:
+            return {"phase": f["layer"], "ratio": b / a, "others": 1.0}
+    return None
 
 
 def machine_json(env: dict) -> dict:

@@ -96,3 +96,11 @@ def test_cannot_tell_when_both_models_fit(cv_add, cv_mul, cv_size, expect):
     assert {a["layer"] for a in alts} == {"kernel.launch_gap", "kernel.compute"}
     assert all(a["reason"] for a in alts)
     assert "shrank" in _KERNEL_ALTERNATIVES(-1.0, ops)[0]["cause"]
+
+
+def test_a_front_end_change_that_stands_out_is_still_named(synth):
+    quiet = synth(seed=1, noise_seed=1, outside_cpu_cores=0.1)
+    both = synth(seed=1, noise_seed=4, outside_cpu_cores=1.0, machine_slowdown=1.4, gateway_delay_s=0.05)
+    d = compare(quiet, both).diagnosis
+    assert d["verdict"] == "regression" and d["primary"]["layer"] == "gateway.queue", d["findings"][:2]
+    assert any("gateway.queue per request" in e for e in d["findings"][0]["evidence"])
