@@ -15,7 +15,7 @@ the sensitivity (MDE) per metric, and the power to detect a real small change.
 - ``quiet``: pairs of identical runs with nothing added (the machine is still shared);
 - ``power``: ``--reps`` interleaved repetitions of a baseline and of a candidate with a
   real, known change (``--base-args`` / ``--cand-args``, default: every kernel op 1.0001x
-  vs 1.15x its own time, ``--fault kernel.slowdown``, both on the same eager op path).
+  vs 1.2x its own time, ``--fault kernel.slowdown``, both on the same eager op path).
 
 ``report`` diagnoses every pair (``layerscope.diagnose.compare``), checks the A/A verdicts
 (never ``regression``/``improvement``; the busier run named), derives the run-to-run
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--pairs", type=int, default=10)
     r.add_argument("--reps", type=int, default=10)
     r.add_argument("--base-args", default="--fault kernel.slowdown=1.0001")
-    r.add_argument("--cand-args", default="--fault kernel.slowdown=1.15")
+    r.add_argument("--cand-args", default="--fault kernel.slowdown=1.2")
     rep = sub.add_parser("report")
     rep.add_argument("--out", required=True, type=Path)
     rep.add_argument("--json", type=Path, default=None)
