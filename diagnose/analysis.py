@@ -55,6 +55,13 @@ class RunAnalysis:
         return model.forward_fit(self.run)
 
     @cached_property
+    def machine(self) -> tuple[pd.DataFrame | None, dict | None]:
+        """(machine.parquet samples, manifest["machine"]); (None, None) for bundles without them."""
+        from layerscope.probes.machine import read_machine
+
+        return read_machine(self.run.path, self.run.manifest)
+
+    @cached_property
     def collective_ranks(self) -> pd.DataFrame:
         return model.collective_ranks(self.run)
 

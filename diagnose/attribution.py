@@ -100,6 +100,8 @@ class Part:
     delta_s: float
     cause: str
     evidence: list[str] = field(default_factory=list)
+    # causes that predict the same measurements ("can't tell"): [{layer, cause, reason}]
+    alternatives: list[dict] = field(default_factory=list)
 
 
 def ms(x: float) -> str:
@@ -125,8 +127,7 @@ class Causes:
         self.phase = self._phase_deltas()
         self.uniform = self._uniform_factor()
         base_step = self.ia.get("step_s_mean") or math.nan
-        up = sum(max(v, 0.0) for v in self.phase.values())
-        self.slowdown = up / base_step if base_step and base_step > 0 else 0.0
+        self._base_step = base_step
 
     # ---- per-step service time at equal batch composition ----
     def _phase_deltas(self) -> dict[str, float]:
@@ -158,10 +159,9 @@ class Causes:
             "engine.output": _z(ib.get("output_s_mean", 0) - out_exp),
         }
 
-    def _uniform_factor(self) -> dict[str, float] | None:
-        """Host, model and output time per step (at equal batch size) all scaled by about the
-        same factor, with no config or workload change: the machine was slower or busier.
-        {phase: ratio} or None."""
+    def phase_ratios(self) -> dict[str, float]:
+        """Candidate / baseline time per step of each phase at equal batch size (host, model,
+        output; collective with TP). NaN where the baseline has none."""
         e = self.expected
         r = {"host": (e["host"] + self.phase["engine.schedule"]) / e["host"] if e["host"] > 0 else math.nan,
              "model": (e["model"] + self.phase["model.forward"]) / e["model"] if e["model"] > 0 else math.nan,
@@ -169,23 +169,60 @@ class Causes:
         ca, cb = _z(self.ia.get("collective_s_mean")), _z(self.ib.get("collective_s_mean"))
         if ca > 0:  # with TP, collectives must have scaled alike too
             r["collective"] = cb / ca
+        return r
+
+    def standout_phase(self, worse: bool, factor: float = 1.5, min_share: float = 0.1) -> dict | None:
+        """A step phase that changed (in the direction ``worse``: slower) by ``factor`` beyond the
+        median phase's factor and by at least ``min_share`` of the baseline's step time: what a
+        software change does, and a machine that is uniformly slower or busier does not.
+        {phase, ratio, others} or None."""
+        r = {k: v for k, v in self.phase_ratios().items() if v > 0 and not math.isnan(v)}
+        if len(r) < 2:
+            return None
+        logs = {k: math.log(v) for k, v in r.items()}
+        names = {"host": "engine.schedule", "model": "model.forward", "output": "engine.output",
+                 "collective": "parallel.collective"}
+        step = self.ia.get("step_s_mean") or math.nan
+        for k, lv in sorted(logs.items(), key=lambda kv: -kv[1] if worse else kv[1]):
+            rest = [x for j, x in logs.items() if j != k]
+            base = float(np.median(rest))
+            beyond = (lv - base) if worse else (base - lv)
+            delta = self.phase.get(names[k], math.nan) if k != "collective" else self.phase["parallel.collective"]
+            if beyond >= math.log(factor) and step > 0 and abs(delta) >= min_share * step:
+                return {"phase": names[k], "ratio": r[k], "others": math.exp(base)}
+        return None
+
+    def _uniform_factor(self) -> dict[str, float] | None:
+        """Host, model and output time per step (at equal batch size) all scaled by about the
+        same factor, with no config or workload change: the machine was slower or busier.
+        {phase: ratio} or None."""
+        r = self.phase_ratios()
         vals = [v for v in r.values() if not math.isnan(v)]
         if len(vals) < 3 or self.keys or self.workload_changed:
             return None
         up = all(v >= 1.25 for v in vals) or all(v <= 0.8 for v in vals)
         return r if up and max(vals) / min(vals) <= 1.8 else None
 
-    @property
-    def router_skewed(self) -> bool:
+    def slowdown(self, s: float = 1.0) -> float:
+        """How much slower (s > 0) or faster (s < 0) the step phases got at equal batch size, as a
+        share of the baseline's step time (only the phases that moved that way)."""
+        moved = sum(max(s * v, 0.0) for v in self.phase.values())
+        return moved / self._base_step if self._base_step and self._base_step > 0 else 0.0
+
+    def router_skewed(self, s: float = 1.0) -> bool:
+        """The busiest replica's share grew (s > 0) or shrank (s < 0, the baseline was skewed)."""
         ia, ib = self.ia, self.ib
-        return ib["num_replicas"] > 1 and ib["replica_share_max"] - ia["replica_share_max"] >= 0.15
+        return (max(ia["num_replicas"], ib["num_replicas"]) > 1
+                and s * (ib["replica_share_max"] - ia["replica_share_max"]) >= 0.15)
 
     def explain(self, layer: str, delta_s: float, metric: str, from_slowdown: bool = False) -> list[Part]:
         """Blame ``delta_s`` seconds measured in ``layer`` on the layer(s) that caused it.
 
         ``from_slowdown``: called to explain one phase of a per-step slowdown (the batch
-        composition rule must not hand it back to the slowdown rule)."""
-        if self.router_skewed and layer not in ("gateway.queue", "gateway.route", "parallel.collective"):
+        composition rule must not hand it back to the slowdown rule). Every rule is symmetric:
+        for a delta < 0 (an improvement) it looks for the limit that bound the baseline."""
+        s = 1.0 if delta_s >= 0 else -1.0
+        if self.router_skewed(s) and layer not in ("gateway.queue", "gateway.route", "parallel.collective"):
             return [Part("gateway.route", delta_s, f"the router overloads one replica: its requests wait and its "
                          f"batches grow ({layer})", self._router_evidence())]
         if self.uniform and layer in ("engine.queue", "engine.schedule", "model.forward", "engine.output",
@@ -207,7 +244,7 @@ class Causes:
         if layer == "gateway.queue":
             return [Part("gateway.queue", delta_s, "requests wait longer for admission at the gateway",
                          [f"gateway.queue {self._req_p50('gateway.queue')}"])]
-        if layer == "gateway.route" and self.slowdown >= 0.1 and not from_slowdown:
+        if layer == "gateway.route" and self.slowdown(s) >= 0.1 and not from_slowdown:
             # a replica reads new requests between steps: the hand-off waits for the step in progress
             parts = self._slowdown_parts(delta_s, "requests wait longer for the replica's step in progress before "
                                                   "the engine takes them")
@@ -220,17 +257,21 @@ class Causes:
             more = self._more_steps(delta_s, layer)
             if more:
                 return more
+            exp = self.expected["host" if layer == "engine.schedule" else "output"]
+            if not s * self.phase[layer] >= 0.1 * exp:  # per step at equal batch size not >= 10% slower (faster)
+                return self._steps_per_work(delta_s, layer, metric)
         if layer == "engine.schedule":
+            e = self.expected["host"]
             return [Part("engine.schedule", delta_s, "host time per step (scheduling, input preparation) grew",
-                         [f"host time per step {ms(self.ia['schedule_s_mean'] + _z(self.ia['prepare_s_mean']))} -> "
-                          f"{ms(self.ib['schedule_s_mean'] + _z(self.ib['prepare_s_mean']))}",
+                         [f"host time per step at equal batch size {ms(e)} -> {ms(e + self.phase['engine.schedule'])}",
                           f"host share of step time {pct(self.ia['host_share'])} -> {pct(self.ib['host_share'])}"])]
         if layer == "parallel.collective":
             return [Part("parallel.collective", delta_s, "tensor-parallel collectives got slower",
                          self._collective_evidence())]
         if layer == "engine.output":
+            e = self.expected["output"]
             return [Part("engine.output", delta_s, "output processing / streaming back got slower",
-                         [f"output phase per step {ms(self.ia['output_s_mean'])} -> {ms(self.ib['output_s_mean'])}"])]
+                         [f"output phase per step at equal batch size {ms(e)} -> {ms(e + self.phase['engine.output'])}"])]
         return [Part(layer, delta_s, f"time in {layer} changed")]
 
     # ---- queueing ----
@@ -238,27 +279,29 @@ class Causes:
         ia, ib = self.ia, self.ib
         where = "in the engine's waiting queue" if measured == "engine.queue" else "with the engine idle"
         kv_keys = {"num_kv_blocks", "block_size", "kv_cache_memory_bytes", "resolved.num_kv_blocks"} & self.keys
-        kv_worse = (ib["kv_exhausted_frac"] - ia["kv_exhausted_frac"] >= 0.05
-                    or ib["num_preemptions"] > 2 * ia["num_preemptions"] + 5)
-        if kv_worse and (kv_keys or self.slowdown < 0.1):
+        s = 1.0 if d >= 0 else -1.0
+        x, y = (ia, ib) if s > 0 else (ib, ia)  # x: the run the limit did not bind
+        kv_worse = (y["kv_exhausted_frac"] - x["kv_exhausted_frac"] >= 0.05
+                    or y["num_preemptions"] > 2 * x["num_preemptions"] + 5)
+        if kv_worse and (kv_keys or self.slowdown(s) < 0.1):
             return [Part("engine.kv", d, f"KV cache exhausted: requests wait {where} for free blocks and get preempted",
                          self._kv_evidence())]
-        if self._prefix_lost():
+        if self._prefix_lost(s):
             return [Part("engine.kv", d, "prefix-cache hits dropped: every prompt is prefilled in full, so requests "
                          "wait longer for the busier engine", self._prefix_evidence())]
-        seqs_up = ib["seqs_capped_frac"] - ia["seqs_capped_frac"] >= 0.1
-        if seqs_up and ("max_num_seqs" in self.keys or self.slowdown < 0.1):
+        seqs_up = y["seqs_capped_frac"] - x["seqs_capped_frac"] >= 0.1
+        if seqs_up and ("max_num_seqs" in self.keys or self.slowdown(s) < 0.1):
             return [Part("engine.queue", d, "admission capped by max_num_seqs: the running batch is full while "
                          "requests wait", [f"running = max_num_seqs with requests waiting on "
                                            f"{pct(ia['seqs_capped_frac'])} -> {pct(ib['seqs_capped_frac'])} of steps"])]
-        budget_up = ib["budget_capped_frac"] - ia["budget_capped_frac"] >= 0.1
-        if budget_up and ("max_num_batched_tokens" in self.keys or self.slowdown < 0.1):
+        budget_up = y["budget_capped_frac"] - x["budget_capped_frac"] >= 0.1
+        if budget_up and ("max_num_batched_tokens" in self.keys or self.slowdown(s) < 0.1):
             return [Part("engine.queue", d, "admission capped by the token budget (max_num_batched_tokens)",
                          [f"steps at the token budget with requests waiting {pct(ia['budget_capped_frac'])} -> "
                           f"{pct(ib['budget_capped_frac'])}"])]
         if self.workload_changed:
             return [Part("workload", d, f"the offered load changed; requests wait {where}")]
-        if self.slowdown >= 0.1:
+        if self.slowdown(s) >= 0.1:
             parts = self._slowdown_parts(d, f"requests queue longer {where}")
             if parts:
                 return parts
@@ -267,8 +310,9 @@ class Causes:
                      [f"steps with requests waiting {pct(ia['waiting_frac'])} -> {pct(ib['waiting_frac'])}"])]
 
     def _slowdown_parts(self, d: float, effect: str) -> list[Part]:
-        """Split ``d`` over the step phases that got slower at equal batch size."""
-        up = {k: v for k, v in self.phase.items() if v > 0}
+        """Split ``d`` over the step phases that got slower (d > 0) or faster (d < 0) at equal batch size."""
+        s = 1.0 if d >= 0 else -1.0
+        up = {k: v for k, v in self.phase.items() if s * v > 0}
         total = sum(up.values())
         parts = []
         for layer, v in sorted(up.items(), key=lambda kv: -kv[1]):
@@ -276,7 +320,7 @@ class Causes:
                 continue
             for p in self.explain(layer, d * v / total, "step", from_slowdown=True):
                 p.cause = f"every step got slower, so {effect} ({p.cause})"
-                p.evidence = [f"{layer} +{ms(v)} per step at equal batch size"] + p.evidence
+                p.evidence = [f"{layer} {'+' if v >= 0 else ''}{ms(v)} per step at equal batch size"] + p.evidence
                 parts.append(p)
         if parts:
             scale = d / sum(p.delta_s for p in parts)
@@ -289,31 +333,83 @@ class Causes:
         recomputation, longer outputs), not because a step got slower."""
         ia, ib = self.ia, self.ib
         per_step = self.phase[layer] / (self.expected["host" if layer == "engine.schedule" else "output"] or math.nan)
+        s = 1.0 if d >= 0 else -1.0
         sa, sb = ia.get("steps_per_request", math.nan), ib.get("steps_per_request", math.nan)
-        if not (sb >= 1.2 * sa) or per_step >= 0.1:
-            return []
         ca, cb = ia.get("prefill_chunks_per_request", math.nan), ib.get("prefill_chunks_per_request", math.nan)
+        more, more_chunks = (sb >= 1.2 * sa, cb >= 1.2 * ca) if s > 0 else (sa >= 1.2 * sb, ca >= 1.2 * cb)
+        if not more or s * per_step >= 0.1:
+            return []
         ev = [f"steps per request {sa:.1f} -> {sb:.1f}; prefill chunks per request {ca:.1f} -> {cb:.1f}",
               f"{layer} per step unchanged at equal batch size"]
-        if cb >= 1.2 * ca:
+        if more_chunks:
             for key, lyr in (("max_num_batched_tokens", "engine.queue"), ("enable_chunked_prefill", "engine.schedule"),
                              ("max_num_seqs", "engine.queue")):
                 if key in self.keys:
                     return [Part(lyr, d, f"prompts are prefilled in more, smaller chunks ({key} changed): every "
                                  "chunk pays a step", ev)]
-        if ib["recomputed_token_frac"] - ia["recomputed_token_frac"] >= 0.05:
+        if s * (ib["recomputed_token_frac"] - ia["recomputed_token_frac"]) >= 0.05:
             return [Part("engine.kv", d, "preempted requests recompute their KV in extra steps", self._kv_evidence() + ev)]
         if self.workload_changed:
             return [Part("workload", d, "requests take part in more steps: the offered load changed", ev)]
         return []
 
+    def _steps_per_work(self, d: float, layer: str, metric: str) -> list[Part]:
+        """Time in a per-step phase moved although the phase per step at equal batch size did not
+        move that way: the batches changed. Per output token (throughput), smaller batches pay
+        the per-step costs more often; per request (latencies), larger batches make each step's
+        phase longer."""
+        s = 1.0 if d >= 0 else -1.0
+        ia, ib = self.ia, self.ib
+        per = "host time" if layer == "engine.schedule" else "output phase"
+        exp = self.expected["host" if layer == "engine.schedule" else "output"]
+        unchanged = f"{per} per step at equal batch size {ms(exp)} -> {ms(exp + self.phase[layer])} (did not move this way)"
+        if metric != "output_tokens_per_s" and not metric.startswith("goodput"):
+            sa, sb = self.a.run.steps, self.b.run.steps
+            ra = float((sa["num_prefill_seqs"].fillna(0) + sa["num_decode_seqs"].fillna(0)).mean()) if len(sa) else math.nan
+            rb = float((sb["num_prefill_seqs"].fillna(0) + sb["num_decode_seqs"].fillna(0)).mean()) if len(sb) else math.nan
+            ev = [f"requests per step {ra:.2f} -> {rb:.2f}", unchanged]
+            if not s * (rb - ra) > 0:
+                return [Part(layer, d, f"time in {layer} per request changed with no per-step or batch-size change "
+                             "to explain it", [unchanged])]
+            comp = self._composition(d)
+            parts = comp if isinstance(comp, list) else [comp]
+            for p in parts:
+                if p.layer == "model.forward":  # (_composition's default speaks of forwards)
+                    p.layer, p.cause = layer, "more requests share each step (larger batches), so each step's " \
+                                              f"{per} is longer"
+                p.evidence = ev + [e for e in p.evidence if not e.startswith("batch tokens per step")]
+            return parts
+        ta = ia["output_tokens"] / ia["num_steps"] if ia["num_steps"] else math.nan
+        tb = ib["output_tokens"] / ib["num_steps"] if ib["num_steps"] else math.nan
+        ev = [f"output tokens per step {ta:.2f} -> {tb:.2f}", unchanged]
+        if not s * (ta - tb) > 0:
+            return [Part(layer, d, f"time in {layer} per output token changed with no per-step or batch-size change "
+                         "to explain it", [unchanged])]
+        x, y = (ia, ib) if s > 0 else (ib, ia)
+        for key, lyr in (("max_num_seqs", "engine.queue"), ("max_num_batched_tokens", "engine.queue"),
+                         ("enable_chunked_prefill", "engine.schedule"), ("num_kv_blocks", "engine.kv"),
+                         ("resolved.num_kv_blocks", "engine.kv"), ("block_size", "engine.kv")):
+            if key in self.keys:
+                return [Part(lyr, d, f"steps carry fewer tokens each ({key} changed), so the per-step costs are "
+                             "paid more often", ev)]
+        if y["kv_exhausted_frac"] - x["kv_exhausted_frac"] >= 0.05 or y["num_preemptions"] > 2 * x["num_preemptions"] + 5:
+            return [Part("engine.kv", d, "KV cache exhausted: smaller batches, so the per-step costs are paid more "
+                         "often", self._kv_evidence() + ev)]
+        if self.workload_changed:
+            return [Part("workload", d, "steps carry fewer tokens each: the offered load changed", ev)]
+        return [Part(layer, d, "steps carry fewer tokens each, so the per-step costs are paid more often", ev)]
+
     # ---- model time ----
     def _forward(self, d: float, from_slowdown: bool = False) -> list[Part]:
+        """Model time changed by ``d`` (s). Symmetric: for d < 0 every test below looks for the
+        row, gap or cost that got faster (the baseline's limit)."""
         ia, ib = self.ia, self.ib
+        s = 1.0 if d >= 0 else -1.0
+        word = "grew" if s > 0 else "shrank"
         fwd_slow = self.phase["model.forward"]
         base_fwd = ia.get("forward_s_mean") or math.nan
         normalized = fwd_slow / base_fwd if base_fwd > 0 else 0.0
-        if normalized < 0.1:  # steps are not slower per token: they carry more tokens
+        if s * normalized < 0.1:  # steps are not slower (faster) per token: they carry more (fewer) tokens
             if from_slowdown:
                 return [Part("model.forward", d, "model time per step grew with the batch")]
             comp = self._composition(d)
@@ -324,8 +420,9 @@ class Causes:
             ta, tb = model.timed_tokens_mean(self.a.run), model.timed_tokens_mean(self.b.run)
             ea, eb = fa["intercept_s"] + fa["per_token_s"] * ta, fa["intercept_s"] + fa["per_token_s"] * tb
             scale = eb / ea if ea > 0 else 1.0
-        rows = model.layer_row_deltas(self.a.run, self.b.run, scale)
-        rows = rows[rows["name"] != "sampler"]
+        shown = model.layer_row_deltas(self.a.run, self.b.run, scale)
+        shown = shown[shown["name"] != "sampler"]
+        rows = _toward(shown, s)
         if not rows.empty:
             pos = rows[rows["delta_s"] > 0]
             total = pos["delta_s"].sum()
@@ -343,28 +440,40 @@ class Causes:
                         and top["ratio"] >= 3 * sib_ratio)
             if (total > 0 and top["delta_s"] >= 0.3 * total and top["delta_s"] >= 0.3 * top["baseline_s"]
                     and (by_delta or by_ratio)):
-                ev = [f"{r.name} {ms(r.baseline_s)} -> {ms(r.candidate_s)} per timed step (at equal batch size)"
-                      for r in pos.head(3).itertuples()]
+                named = shown.set_index("name").loc[list(pos.head(3)["name"])]
+                ev = [f"{name} {ms(r.baseline_s)} -> {ms(r.candidate_s)} per timed step (at equal batch size)"
+                      for name, r in named.iterrows()]
                 return [Part("model.forward", d, f"one layer row got slower: {top['name']}", ev)]
         ka, kb = self.a.kernel_summary, self.b.kernel_summary
         if ka["num_steps"] and kb["num_steps"]:
             # idle gaps per forward barely depend on the batch; compute does, so take it from the
             # forward slowdown at equal batch size minus the gap change. Ops that all gained the
             # same time per call (not the same factor) are launch overhead booked inside the op.
-            dg = kb["gap_s"] - ka["gap_s"]
-            dc = fwd_slow - max(dg, 0.0)
-            ops = model.op_change_kind(model.kernel_op_deltas(self.a.run, self.b.run))
+            dg = s * (kb["gap_s"] - ka["gap_s"])  # in the direction of d
+            dc = s * fwd_slow - max(dg, 0.0)
+            ops = model.op_change_kind(_toward(model.kernel_op_deltas(self.a.run, self.b.run), s))
             ev = [f"launch gaps per profiled forward {ms(ka['gap_s'])} -> {ms(kb['gap_s'])} "
                   f"({pct(ka['gap_share'])} -> {pct(kb['gap_share'])} of forward)",
                   f"kernel compute per profiled forward {ms(ka['compute_s'])} -> {ms(kb['compute_s'])}; "
-                  f"forward +{ms(fwd_slow)} per step at equal batch size"]
+                  f"forward {'+' if fwd_slow >= 0 else ''}{ms(fwd_slow)} per step at equal batch size"]
+            gained = "gained" if s > 0 else "lost"
+            ambiguous = ops["kind"] is not None and _cannot_tell(ops)
+            if ambiguous:
+                ev.append(f"{ops['num_ops']} ops each {gained} about {ms(ops['per_op_s'])} per call, about "
+                          f"{ops['factor'] if s > 0 else 1 / ops['factor']:.2f}x; the two models fit alike "
+                          f"(spread {ops['cv_additive']:.2f} for a fixed time per call, {ops['cv_multiplicative']:.2f}"
+                          f" for a common factor; the ops' own sizes vary by {ops['cv_size']:.2f})")
+                return [Part("model.forward", d, f"time inside the kernels/ops {word}: a fixed cost per call or a "
+                             "proportional slowdown, which these measurements cannot tell apart", ev,
+                             alternatives=_KERNEL_ALTERNATIVES(s, ops))]
             if ops["kind"] == "additive":
-                ev.append(f"{ops['num_ops']} ops each gained about {ms(ops['per_op_s'])} per call whatever their "
+                ev.append(f"{ops['num_ops']} ops each {gained} about {ms(ops['per_op_s'])} per call whatever their "
                           f"size (spread {ops['cv_additive']:.2f} vs {ops['cv_multiplicative']:.2f} for a common "
                           "factor): a fixed cost per launch")
                 dg, dc = max(dg, 0.0) + max(dc, 0.0), 0.0
             elif ops["kind"] == "multiplicative":
-                ev.append(f"{ops['num_ops']} ops each got about {ops['factor']:.2f}x slower (spread "
+                f = ops["factor"] if s > 0 else 1 / ops["factor"]
+                ev.append(f"{ops['num_ops']} ops each got about {f:.2f}x {'slower' if s > 0 else 'faster'} (spread "
                           f"{ops['cv_multiplicative']:.2f} vs {ops['cv_additive']:.2f} for a fixed extra time)")
             up = max(dc, 0) + max(dg, 0)
             if up > 0:
@@ -380,12 +489,21 @@ class Causes:
                         p.delta_s *= scale
                     return parts
         fa, fb = self.a.forward_fit, self.b.forward_fit
-        if not math.isnan(fa["per_token_s"]) and not math.isnan(fb["per_token_s"]) and fa["intercept_s"] > 0:
-            r_int = fb["intercept_s"] / fa["intercept_s"]
-            r_tok = fb["per_token_s"] / fa["per_token_s"] if fa["per_token_s"] > 0 else math.nan
+        if not math.isnan(fa["per_token_s"]) and not math.isnan(fb["per_token_s"]) and fa["intercept_s"] > 0 \
+                and fb["intercept_s"] > 0:
+            r_int = (fb["intercept_s"] / fa["intercept_s"]) ** s
+            r_tok = (fb["per_token_s"] / fa["per_token_s"]) ** s if fa["per_token_s"] > 0 and fb["per_token_s"] > 0 \
+                else math.nan
             ev = [f"forward fixed cost {ms(fa['intercept_s'])} -> {ms(fb['intercept_s'])} per step; per batch token "
                   f"{fa['per_token_s'] * 1e6:.3g} -> {fb['per_token_s'] * 1e6:.3g} us "
                   "(no profiler window in both runs: inferred from forward time vs batch tokens)"]
+            spread = min(self._token_spread(self.a), self._token_spread(self.b))
+            if spread < 0.2 and (r_int >= 1.2 or (not math.isnan(r_tok) and r_tok >= 1.1)):
+                ev.append(f"batch tokens per step barely vary (CV {spread:.2f}): a fixed cost per step and a cost "
+                          "per token cannot be told apart")
+                return [Part("model.forward", d, f"model forward time per step {word}: a fixed cost per forward or "
+                             "a proportional slowdown, which these measurements cannot tell apart", ev,
+                             alternatives=_KERNEL_ALTERNATIVES(s, None))]
             if r_int >= 1.2 and (math.isnan(r_tok) or r_tok < 1 + 0.25 * (r_int - 1)):
                 return [Part("kernel.launch_gap", d, "a fixed cost per forward grew, not the cost per token "
                              "(launch gaps or per-op overhead)", ev)]
@@ -393,6 +511,14 @@ class Causes:
                 return [self._compute_part(d, "forward time grew in proportion to the work", ev)]
         return [Part("model.forward", d, "model forward time grew across the model",
                      [f"forward per step {ms(ia['forward_s_mean'])} -> {ms(ib['forward_s_mean'])}"])]
+
+    @staticmethod
+    def _token_spread(x: RunAnalysis) -> float:
+        """Coefficient of variation of batch tokens over a run's steps (how well a fit separates
+        a fixed cost per step from a cost per token)."""
+        t = x.run.steps["num_batched_tokens"].to_numpy(np.float64)
+        t = t[~np.isnan(t)]
+        return float(t.std() / t.mean()) if len(t) > 2 and t.mean() > 0 else 0.0
 
     def _compute_part(self, d: float, cause: str, ev: list[str]) -> Part:
         if self.hardware_changed and not self.keys:
@@ -405,10 +531,11 @@ class Causes:
               f"{ib['prefill_tokens_per_request']:.0f}",
               f"batch tokens per step {self.a.run.steps['num_batched_tokens'].mean():.1f} -> "
               f"{self.b.run.steps['num_batched_tokens'].mean():.1f}"]
-        if self._prefix_lost():
+        s = 1.0 if d >= 0 else -1.0
+        if self._prefix_lost(s):
             return Part("engine.kv", d, "prefix-cache hits dropped, so prompts are prefilled in full",
                         self._prefix_evidence() + ev)
-        if ib["recomputed_token_frac"] - ia["recomputed_token_frac"] >= 0.05:
+        if s * (ib["recomputed_token_frac"] - ia["recomputed_token_frac"]) >= 0.05:
             return Part("engine.kv", d, "preempted requests recompute their KV", self._kv_evidence() + ev)
         for key, layer in (("max_num_batched_tokens", "engine.queue"), ("enable_chunked_prefill", "engine.schedule"),
                            ("max_num_seqs", "engine.queue")):
@@ -416,19 +543,21 @@ class Causes:
                 return Part(layer, d, f"steps carry a different batch ({key} changed)", ev)
         if self.workload_changed:
             return Part("workload", d, "steps carry more tokens: the offered load changed", ev)
-        if self.slowdown >= 0.1:
+        if self.slowdown(s) >= 0.1:
             parts = self._slowdown_parts(d, "more requests share each step (larger batches)")
             if parts:
                 return parts
         return Part("model.forward", d, "steps carry more tokens per forward (batch composition)", ev)
 
     # ---- evidence helpers ----
-    def _prefix_lost(self) -> bool:
-        ha, hb = self.ia["prefix_hit_rate"], self.ib["prefix_hit_rate"]
-        ca, cb = self.ia["cached_token_frac"], self.ib["cached_token_frac"]
+    def _prefix_lost(self, s: float = 1.0) -> bool:
+        """Prefix-cache hits dropped with more prefill per request (s > 0), or rose with less (s < 0)."""
+        x, y = (self.ia, self.ib) if s > 0 else (self.ib, self.ia)
+        ha, hb = x["prefix_hit_rate"], y["prefix_hit_rate"]
+        ca, cb = x["cached_token_frac"], y["cached_token_frac"]
         lost = (not math.isnan(ha) and (math.isnan(hb) or ha - hb >= 0.1)) or (
             not math.isnan(ca) and not math.isnan(cb) and ca - cb >= 0.1)
-        return bool(lost) and self.ib["prefill_tokens_per_request"] >= 1.1 * self.ia["prefill_tokens_per_request"]
+        return bool(lost) and y["prefill_tokens_per_request"] >= 1.1 * x["prefill_tokens_per_request"]
 
     def _prefix_evidence(self) -> list[str]:
         ev = [f"prefix-cache hit rate {pct(self.ia['prefix_hit_rate'])} -> {pct(self.ib['prefix_hit_rate'])}",
@@ -471,6 +600,41 @@ class Causes:
     def _req_p50(self, layer: str) -> str:
         c = col("ttft", layer)
         return f"p50 {ms(float(self.a.ok[c].median()))} -> {ms(float(self.b.ok[c].median()))} per request"
+
+
+def _toward(deltas: pd.DataFrame, s: float) -> pd.DataFrame:
+    """A deltas table (baseline_s, candidate_s, delta_s, ratio) seen in the direction ``s``: for
+    s < 0 the runs swap, so the rules written for "got slower" find what got faster."""
+    if s > 0 or deltas.empty:
+        return deltas
+    out = deltas.copy()
+    out["baseline_s"], out["candidate_s"] = deltas["candidate_s"], deltas["baseline_s"]
+    out["delta_s"] = -deltas["delta_s"]
+    out["ratio"] = out["candidate_s"] / out["baseline_s"].where(out["baseline_s"] > 0)
+    return out.sort_values("delta_s", ascending=False).reset_index(drop=True)
+
+
+def _cannot_tell(ops: dict) -> bool:
+    """The changed ops fit a fixed time per call and a common factor about equally (spreads
+    within 1.25x of each other), or are all of about one size (then both models predict the
+    same deltas): per-call overhead and proportional slowdown cannot be told apart."""
+    a, m = ops.get("cv_additive", math.nan), ops.get("cv_multiplicative", math.nan)
+    if math.isnan(a) or math.isnan(m):
+        return False
+    close = max(a, m) <= 1.25 * max(min(a, m), 1e-9)
+    return bool(close or ops.get("cv_size", math.inf) < 0.25)
+
+
+def _KERNEL_ALTERNATIVES(s: float, ops: dict | None) -> list[dict]:  # noqa: N802 (a table, built per call)
+    word = "grew" if s > 0 else "shrank"
+    reason = ("the ops that changed are all of about one size, so the same time per call and the same factor give "
+              "the same deltas" if ops is not None and ops.get("cv_size", math.inf) < 0.25 else
+              "both models fit the per-op deltas about equally" if ops is not None else
+              "the batches are all of about one size, so a fixed cost per step and a cost per token give the same "
+              "forward times")
+    return [{"layer": "kernel.launch_gap", "cause": f"a fixed cost per kernel/op launch {word}", "reason": reason},
+            {"layer": "kernel.compute", "cause": f"time inside kernels/ops {word} in proportion to the work",
+             "reason": reason}]
 
 
 def _fit_at(x: np.ndarray, y: np.ndarray, at: float) -> float:

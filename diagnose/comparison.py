@@ -8,6 +8,7 @@ workload diff are kept as DataFrames for the TUI and the reports.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
 from layerscope.diagnose.config_diff import can_move, config_diff, diff_records, mark_consistency
 from layerscope.diagnose.load import Run
-from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_indices, compare_quantile, compare_rate
+from layerscope.diagnose.machine import machine_diff, machine_json, machine_relevant, machine_verdict
+from layerscope.diagnose.stats import DEFAULT_RULE, Rule, sensitivity, block_indices, compare_quantile, compare_rate
 from layerscope.diagnose.workload import workload_diff
 
 SCHEMA = "layerscope.diagnosis/1"
@@ -100,7 +102,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     for name, m, q, kind in LATENCY_METRICS:
         if pairs is not None:
             va, vb = a.ok[f"{m}_s"].to_numpy()[pairs[0]], b.ok[f"{m}_s"].to_numpy()[pairs[1]]
-            metrics[name] = compare_quantile(va, vb, q, kind, rule, paired=True)
+            metrics[name] = compare_quantile(va, vb, q, kind, rule, paired=True, metric=name)
             metrics[name].update(baseline=float(np.nanquantile(a.ok[f"{m}_s"], q)) if a.ok[f"{m}_s"].notna().any()
                                  else math.nan,
                                  candidate=float(np.nanquantile(b.ok[f"{m}_s"], q)) if b.ok[f"{m}_s"].notna().any()
@@ -109,7 +111,8 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
             if m_["baseline"] and not math.isnan(m_["baseline"]):
                 m_["delta_pct"] = 100 * (m_["candidate"] / m_["baseline"] - 1)
         else:
-            metrics[name] = compare_quantile(a.ok[f"{m}_s"].to_numpy(), b.ok[f"{m}_s"].to_numpy(), q, kind, rule)
+            metrics[name] = compare_quantile(a.ok[f"{m}_s"].to_numpy(), b.ok[f"{m}_s"].to_numpy(), q, kind, rule,
+                                             metric=name)
     metrics[THROUGHPUT] = _throughput(a, b, rule)
     good_a, good_b = meets_slo(a.ok, the_slo), meets_slo(b.ok, the_slo)  # a.ok is in arrival order
     metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule)
@@ -134,6 +137,9 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         findings += _goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
 
     verdict = _verdict(metrics, workload_changed)
+    env = machine_diff(a, b)
+    if verdict in ("regression", "improvement") and machine_relevant(env):
+        verdict, findings = machine_verdict(verdict, metrics, findings, env, causes, cdiff)
     if verdict == "workload_changed":
         wf = _workload_finding(metrics, wdiff)
         same = [f for f in findings if f["layer"] == "workload" and f["metric"] == wf["metric"]]
@@ -149,6 +155,8 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         f["config_changes"] = [_change_text(r) for r in cdiff.itertuples() if can_move(r.layer, {f["layer"]})]
     primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
                else None)
+    if primary is not None and findings[0].get("alternatives"):  # can't tell: the layer both share, both named
+        primary["alternatives"] = [a["layer"] for a in findings[0]["alternatives"]]
     diagnosis = {
         "schema": SCHEMA,
         "baseline": a.name,
@@ -159,6 +167,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         "primary": primary,
         "config_diff": diff_records(cdiff),
         "workload_diff": [{k: _num(v) for k, v in r.items()} for r in wdiff.to_dict("records")],
+        "machine": machine_json(env),
     }
     return Comparison(diagnosis, attribution, cdiff, wdiff, the_slo, a, b)
 
@@ -205,11 +214,11 @@ def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
 
     na, da = per_step(a)
     nb, db = per_step(b)
-    r = _headline(compare_rate(na, da, nb, db, rule), a.indicators["output_tokens_per_s"],
+    r = _headline(compare_rate(na, da, nb, db, rule, metric=THROUGHPUT), a.indicators["output_tokens_per_s"],
                   b.indicators["output_tokens_per_s"], rule)
     sa, sb = served_share(a), served_share(b)
     r["served_share"] = [sa, sb]
-    if r["significant"] and not abs(sb / sa - 1) >= rule.min_effect["rate"]:
+    if r["significant"] and not 100 * abs(sb / sa - 1) >= r["floor_pct"]:
         r["significant"] = r["worse"] = False
     return r
 
@@ -221,14 +230,17 @@ def _goodput(a: RunAnalysis, good_a: np.ndarray, b: RunAnalysis, good_b: np.ndar
     return goodput_change(good_a, good_b, ha, hb, rule)
 
 
-def goodput_change(good_a: np.ndarray, good_b: np.ndarray, ha: float, hb: float, rule: Rule) -> dict:
+def goodput_change(good_a: np.ndarray, good_b: np.ndarray, ha: float, hb: float, rule: Rule,
+                   run_se: float | None = None) -> dict:
     """Goodput ``ha`` -> ``hb`` from per-request SLO flags (arrival order). Called a change when
-    it moves by the minimum effect and so does the share of requests meeting the SLOs (by at
-    least 5 points, block-bootstrap CI over requests in arrival order excluding zero)."""
+    it moves beyond its floor (stats: bootstrap + run-to-run spread) and so does the share of
+    requests meeting the SLOs (by at least 5 points, block-bootstrap CI over requests in
+    arrival order excluding zero)."""
+    run_se = rule.pair_run_se(GOODPUT, "rate") if run_se is None else run_se
     fa, fb = float(good_a.mean()) if len(good_a) else math.nan, float(good_b.mean()) if len(good_b) else math.nan
     r = {"baseline": ha, "candidate": hb, "delta_pct": 100 * (hb / ha - 1) if ha > 0 else math.nan,
          "ci_pct": None, "p_value": None, "significant": False, "worse": False, "n_baseline": int(len(good_a)),
-         "n_candidate": int(len(good_b)), "slo_met_share": [fa, fb]}
+         "n_candidate": int(len(good_b)), "slo_met_share": [fa, fb], **sensitivity(math.nan, run_se, rule)}
     if len(good_a) < 20 or len(good_b) < 20 or not ha > 0:
         return r
     rng = np.random.default_rng(rule.seed)
@@ -240,7 +252,8 @@ def goodput_change(good_a: np.ndarray, good_b: np.ndarray, ha: float, hb: float,
     if fa > 0 and fb > 0:
         rel = (hb / ha) * (bb / np.where(ba > 0, ba, np.nan)) / (fb / fa) - 1
         r["ci_pct"] = [100 * float(np.nanquantile(rel, tail)), 100 * float(np.nanquantile(rel, 1 - tail))]
-    sig = abs(r["delta_pct"]) >= 100 * rule.min_effect["rate"] and abs(fb - fa) >= 0.05 and (lo > 0 or hi < 0)
+        r.update(sensitivity(float(np.nanstd(rel)), run_se, rule))
+    sig = abs(r["delta_pct"]) >= r["floor_pct"] and abs(fb - fa) >= 0.05 and (lo > 0 or hi < 0)
     r["significant"] = bool(sig)
     r["worse"] = bool(sig and hb < ha)
     return r
@@ -253,7 +266,7 @@ def _headline(r: dict, ha: float, hb: float, rule: Rule) -> dict:
     if r["ci_pct"] is not None and ha > 0:
         r["ci_pct"] = [r["ci_pct"][0] - step_rel + head_rel, r["ci_pct"][1] - step_rel + head_rel]
         lo, hi = r["ci_pct"]
-        r["significant"] = bool(abs(head_rel) >= 100 * rule.min_effect["rate"] and (lo > 0 or hi < 0))
+        r["significant"] = bool(abs(head_rel) >= r["floor_pct"] and (lo > 0 or hi < 0))
         r["worse"] = bool(r["significant"] and head_rel < 0)
     r["baseline"], r["candidate"] = ha, hb
     return r
@@ -290,23 +303,24 @@ def _findings(name: str, comp: pd.DataFrame, causes: Causes, metric: dict, label
         evidence: list[str] = []
         for p in sorted(f["parts"], key=lambda p: -abs(p.delta_s)):
             evidence += [e for e in p.evidence if e not in evidence]
+        alts = [dict(a, cause=_faster(a["cause"]) if main.delta_s < 0 else a["cause"]) for a in main.alternatives]
         out.append({"metric": name, "layer": layer, "share": round(share, 4), "delta_s": f["delta_s"],
-                    "cause": cause, "evidence": evidence, "config_changes": [],
+                    "cause": cause, "evidence": evidence, "config_changes": [], "alternatives": alts,
                     "_score": abs(metric["delta_pct"]) * share * (1.0 if metric["worse"] else 0.01),
                     "_measured": sorted(f["measured"])})
     return out
 
 
-_FASTER = (("got slower", "got faster"), ("grew", "shrank"), ("longer", "shorter"), ("slower", "faster"),
-           ("more requests", "fewer requests"), ("larger batches", "smaller batches"), ("more tokens", "fewer tokens"),
-           ("exhausted", "relieved"), ("dropped", "rose"))
+_FASTER = {"got slower": "got faster", "grew": "shrank", "longer": "shorter", "slower": "faster",
+           "more requests": "fewer requests", "larger batches": "smaller batches", "more tokens": "fewer tokens",
+           "fewer tokens each": "more tokens each", "more often": "less often", "more steps": "fewer steps",
+           "exhausted": "relieved", "dropped": "rose", "busier": "quieter"}
+_FASTER_RE = re.compile("|".join(re.escape(k) for k in sorted(_FASTER, key=len, reverse=True)))
 
 
 def _faster(cause: str) -> str:
-    """The cause text of a part that made the metric better (same rule, other direction)."""
-    for a, b in _FASTER:
-        cause = cause.replace(a, b)
-    return cause
+    """The cause text of a part that made the metric better (same rule, other direction), in one pass."""
+    return _FASTER_RE.sub(lambda m: _FASTER[m.group(0)], cause)
 
 
 def _goodput_findings(a: RunAnalysis, b: RunAnalysis, slo: dict, causes: Causes, metric: dict) -> list[dict]:
@@ -351,7 +365,8 @@ def _workload_finding(metrics: dict, wdiff: pd.DataFrame) -> dict:
     d = (m["candidate"] - m["baseline"]) if m["candidate"] is not None else math.nan
     return {"metric": name, "layer": "workload", "share": 1.0, "delta_s": d if name.endswith("_s") else math.nan,
             "cause": "the offered load changed between the runs; layer shares below describe the mechanics, not "
-                     "a regression of the system", "evidence": ev, "config_changes": [], "_score": math.inf,
+                     "a regression of the system", "evidence": ev, "config_changes": [], "alternatives": [],
+            "_score": math.inf,
             "_measured": []}
 
 

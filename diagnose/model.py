@@ -120,7 +120,8 @@ def op_change_kind(deltas: pd.DataFrame, min_delta_s: float = 1e-6, min_ratio: f
 
     Returns kind (additive | multiplicative | None), num_ops, per_op_s (median extra time),
     factor (median ratio), cv_additive, cv_multiplicative (spread of each model; the
-    smaller wins).
+    smaller wins), cv_size (spread of the changed ops' baseline durations: near 0, both
+    models predict the same deltas).
     """
     changed = deltas[(deltas["delta_s"] > min_delta_s) & (deltas["ratio"] >= min_ratio)]
     changed = changed.sort_values("delta_s", ascending=False)
@@ -129,13 +130,14 @@ def op_change_kind(deltas: pd.DataFrame, min_delta_s: float = 1e-6, min_ratio: f
     cum = changed["delta_s"].cumsum() / changed["delta_s"].sum() if len(changed) else changed["delta_s"]
     changed = changed[(cum.shift(fill_value=0.0) < 0.95) | (np.arange(len(changed)) < 5)]
     out = {"kind": None, "num_ops": int(len(changed)), "per_op_s": np.nan, "factor": np.nan,
-           "cv_additive": np.nan, "cv_multiplicative": np.nan}
+           "cv_additive": np.nan, "cv_multiplicative": np.nan, "cv_size": np.nan}
     if len(changed) < 3:
         return out
     d = changed["delta_s"].to_numpy()
     r = changed["ratio"].to_numpy() - 1
     out.update(per_op_s=float(np.median(d)), factor=float(np.median(r) + 1),
-               cv_additive=float(d.std() / d.mean()), cv_multiplicative=float(r.std() / r.mean()))
+               cv_additive=float(d.std() / d.mean()), cv_multiplicative=float(r.std() / r.mean()),
+               cv_size=float(changed["baseline_s"].std(ddof=0) / changed["baseline_s"].mean()))
     out["kind"] = "additive" if out["cv_additive"] < out["cv_multiplicative"] else "multiplicative"
     return out
 

@@ -51,6 +51,8 @@ def _sig_text(m: dict) -> str:
         return "n/a (too few samples)"
     lo, hi = m["ci_pct"]
     ci = f"95% CI {lo:+.0f}..{hi:+.0f}%"
+    if m.get("mde_pct") is not None:
+        ci += f"; could see {m['mde_pct']:.0f}%"
     if m["significant"]:
         p = f"Mann-Whitney p={m['p_value']:.1g}; " if m.get("p_value") is not None else ""
         return f"yes ({p}{ci})"
@@ -134,6 +136,13 @@ def comparison_lines(d: dict[str, Any], attribution: dict | None = None) -> list
         for f in fs[:3]:
             if f["evidence"]:
                 blocks.append(("finding", (f"{f['layer']}:", f["evidence"][:5])))
+            for alt in f.get("alternatives") or []:
+                blocks.append(("text", f"  can't tell: {alt['layer']} ({alt['cause']}) - {alt['reason']}"))
+    mach = d.get("machine") or {}
+    if mach.get("recorded") and (mach.get("changed") or d["verdict"] == "environment_changed"):
+        blocks.append(("heading", "the machine"))
+        for e in mach.get("evidence") or []:
+            blocks.append(("text", e))
     changed = [c for c in d["config_diff"]]
     if changed:
         blocks.append(("heading", "config and environment changes"))
@@ -150,8 +159,9 @@ def comparison_lines(d: dict[str, Any], attribution: dict | None = None) -> list
             blocks.append(("text", f"{w['feature']} {_g(w['baseline'])} -> {_g(w['candidate'])}"
                                    + (f" ({w['delta_pct']:+.0f}%)" if w["delta_pct"] is not None else "")))
     if d["primary"]:
+        alts = d["primary"].get("alternatives")
         blocks.append(("text", f"primary: {METRIC_LABELS.get(d['primary']['metric'], d['primary']['metric'])} "
-                               f"-> {d['primary']['layer']}"))
+                               f"-> {d['primary']['layer']}" + (f" (can't tell: {' or '.join(alts)})" if alts else "")))
     blocks.append(("text", f"next: layerscope tui {d['candidate']}"))
     return blocks
 

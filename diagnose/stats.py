@@ -1,47 +1,74 @@
 """Change detection that holds on a noisy machine: effect size AND a statistical test.
 
-The rule (docs/diagnose.md states it for users), in the spirit of asv's
-"factor plus test": a metric's change is significant when
+The rule (docs/diagnose.md §2 states it for users), in the spirit of asv's "factor
+plus test": a metric's change is significant when
 
-1. its relative size reaches the metric's minimum effect (``Rule.min_effect``:
-   25% for medians, 35% for tails, 15% for throughput/goodput) and its absolute
-   size reaches ``Rule.min_abs_s`` (latencies) — run-to-run drift on a shared
-   2-core machine is larger than any within-run confidence interval shows; and
+1. it is larger than what run-to-run spread and sampling produce: |relative change|
+   >= z(1 - alpha/2) * SE, where SE**2 = the bootstrap variance of the relative change
+   (the requests of these runs) + run_se**2, the run-to-run spread of the metric
+   (``Rule.run_spread``: relative SD between identical runs, measured from real A/A runs;
+   with repetitions, measured from them: ``run_level`` / regressions.pooled). The floor
+   scales with the metric: there is no absolute floor in milliseconds;
 2. the 95% bootstrap confidence interval of the relative change excludes zero; and
 3. for medians, also a two-sided Mann-Whitney U test gives p < ``Rule.alpha``;
 4. a tail quantile q is only called with at least ``Rule.min_tail_count`` requests
    beyond it in both runs (n * (1 - q) >= 3: p99 needs 300 requests), since below
    that the p99 is the run's maximum.
 
+Every comparison also reports ``mde_pct``: the minimum detectable effect, the change
+that would be detected with probability ``Rule.power`` at these sample sizes and this
+spread: (z(1 - alpha/2) + z(power)) * SE.
+
 When both runs served the same workload (same request ids and prompt lengths) the
 requests are paired and resampled together. Requests of one run are not
-independent: the ones that arrive in a burst queue together. So every CI is a moving-block bootstrap over the requests in arrival order
-(about 40 blocks per run), which keeps that correlation; an i.i.d. bootstrap or the
-Mann-Whitney p-value alone would call run-to-run differences of the tail significant.
-No scipy.
+independent: the ones that arrive in a burst queue together. So every CI is a
+moving-block bootstrap over the requests in arrival order (about 40 blocks per run),
+which keeps that correlation; an i.i.d. bootstrap or the Mann-Whitney p-value alone
+would call run-to-run differences of the tail significant. No scipy: the normal and
+Student t quantiles are computed here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import numpy as np
 import pandas as pd
 
+# Prior run-to-run spread (relative SD between identical runs) of each metric, used when
+# a comparison has no repetitions to measure it from (one run a side). Sized on the A/A
+# pairs of the fault matrix on this project's 2-core machine with other jobs running
+# (docs/diagnose.md §8: whole runs moved by up to ~20% on medians, i.e. SD ~10%); TPOT
+# and throughput move less than queue-driven TTFT. With repetitions (regress) the spread
+# is measured instead (regressions.pooled), and a machine whose speed varied during the
+# runs is caught by its own evidence (diagnose.machine), not by these figures.
+# Keys: metric names, then kinds as the fallback.
+RUN_SPREAD = {
+    "ttft_p50_s": 0.10, "ttft_p99_s": 0.20, "tpot_p50_s": 0.05, "tpot_p99_s": 0.15, "e2e_p50_s": 0.08,
+    "output_tokens_per_s": 0.03, "goodput_requests_per_s": 0.03,
+    "p50": 0.10, "p90": 0.15, "p99": 0.20, "rate": 0.03,
+}
+
 
 @dataclass(frozen=True)
 class Rule:
-    # sized on A/A pairs of real runs on a shared 2-core machine, where other people's jobs
-    # moved whole runs by up to ~20%; lower them on a quiet machine
-    min_effect: dict[str, float] = field(default_factory=lambda: {"p50": 0.25, "p90": 0.35, "p99": 0.35,
-                                                                  "rate": 0.15})
-    min_abs_s: float = 0.001  # latency changes under 1 ms are never called
+    run_spread: dict[str, float] = field(default_factory=lambda: dict(RUN_SPREAD))
     min_tail_count: int = 3  # a q-quantile is only called with n * (1 - q) >= this (p99: 300 requests)
     alpha: float = 0.01
+    power: float = 0.9  # the power the MDE is stated at
     confidence: float = 0.95
     num_boot: int = 400
     seed: int = 0
+
+    def spread(self, metric: str | None, kind: str) -> float:
+        """The prior run-to-run relative SD of ``metric`` (or of its kind)."""
+        return float(self.run_spread.get(metric or "", self.run_spread.get(kind, 0.1)))
+
+    def pair_run_se(self, metric: str | None, kind: str) -> float:
+        """Run-to-run SE of the relative change between ONE run of each version."""
+        return math.sqrt(2) * self.spread(metric, kind)
 
 
 DEFAULT_RULE = Rule()
@@ -94,15 +121,19 @@ def mann_whitney_p(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, rule: Rule = DEFAULT_RULE,
-                     higher_is_worse: bool = True, paired: bool = False) -> dict:
+                     higher_is_worse: bool = True, paired: bool = False, metric: str | None = None,
+                     run_se: float | None = None) -> dict:
     """Compare the q-quantile of two samples (seconds), each in arrival order.
 
     ``paired``: base[i] and cand[i] are the same request (the same workload run twice);
     the bootstrap then resamples the pairs together, which removes the workload's own
     spread from the CI, and for medians the CI is that of the median per-request shift
-    relative to the baseline's median. Returns baseline, candidate, delta_pct, ci_pct [lo, hi],
-    p_value, significant, worse (bool), n_baseline, n_candidate, paired.
+    relative to the baseline's median. ``run_se``: the run-to-run SE of the relative change
+    (default: one run per side with the rule's prior spread of ``metric``). Returns baseline,
+    candidate, delta_pct, ci_pct [lo, hi], p_value, significant, worse (bool), n_baseline,
+    n_candidate, paired, floor_pct (the smallest change called), mde_pct, run_se_pct.
     """
+    run_se = rule.pair_run_se(metric, kind) if run_se is None else run_se
     base, cand = np.asarray(base, np.float64), np.asarray(cand, np.float64)
     both = ~np.isnan(base) & ~np.isnan(cand) if paired and len(base) == len(cand) else None
     a, b = base[~np.isnan(base)], cand[~np.isnan(cand)]
@@ -110,7 +141,7 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
            "n_candidate": int(len(b))}
     if len(a) < 5 or len(b) < 5 or not out["baseline"] > 0:
         return {**out, "delta_pct": _pct(out["baseline"], out["candidate"]), "ci_pct": None, "p_value": None,
-                "significant": False, "worse": False}
+                "significant": False, "worse": False, **sensitivity(math.nan, run_se, rule)}
     rng = np.random.default_rng(rule.seed)
     if both is not None and both.sum() >= 5:
         pa, pb = base[both], cand[both]
@@ -133,20 +164,24 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
     rel_delta = delta / out["baseline"]
     p = mann_whitney_p(a, b) if kind == "p50" else None
     enough = min(len(a), len(b)) * (1 - q) >= rule.min_tail_count or q <= 0.5
-    sig = (enough and abs(rel_delta) >= rule.min_effect[kind] and abs(delta) >= rule.min_abs_s
+    sens = sensitivity(float(np.nanstd(rel)), run_se, rule)
+    sig = (enough and 100 * abs(rel_delta) >= sens["floor_pct"]
            and (lo > 0 or hi < 0) and (p is None or p < rule.alpha))
+    if not enough:
+        sens["mde_pct"] = None  # a tail with too few requests beyond it is never called
     return {**out, "delta_pct": 100 * rel_delta, "ci_pct": [100 * float(lo), 100 * float(hi)], "p_value": p,
             "significant": bool(sig), "worse": bool(sig and (delta > 0) == higher_is_worse),
-            "paired": both is not None}
+            "paired": both is not None, **sens}
 
 
 def compare_rate(base_num: np.ndarray, base_den: np.ndarray, cand_num: np.ndarray, cand_den: np.ndarray,
-                 rule: Rule = DEFAULT_RULE) -> dict:
+                 rule: Rule = DEFAULT_RULE, metric: str | None = None, run_se: float | None = None) -> dict:
     """Compare two ratio estimates sum(num)/sum(den) (e.g. tokens / seconds) with a block
     bootstrap over consecutive units (steps, requests), which keeps their autocorrelation.
 
     Returns the same keys as compare_quantile; higher is better.
     """
+    run_se = rule.pair_run_se(metric, "rate") if run_se is None else run_se
     def ratio(num, den):
         d = float(np.nansum(den))
         return float(np.nansum(num)) / d if d > 0 else math.nan
@@ -155,7 +190,7 @@ def compare_rate(base_num: np.ndarray, base_den: np.ndarray, cand_num: np.ndarra
            "n_baseline": int(len(base_num)), "n_candidate": int(len(cand_num))}
     if len(base_num) < 20 or len(cand_num) < 20 or not out["baseline"] > 0:
         return {**out, "delta_pct": _pct(out["baseline"], out["candidate"]), "ci_pct": None, "p_value": None,
-                "significant": False, "worse": False}
+                "significant": False, "worse": False, **sensitivity(math.nan, run_se, rule)}
     rng = np.random.default_rng(rule.seed)
     ra = _block_boot(base_num, base_den, rule.num_boot, rng)
     rb = _block_boot(cand_num, cand_den, rule.num_boot, rng)
@@ -163,9 +198,10 @@ def compare_rate(base_num: np.ndarray, base_den: np.ndarray, cand_num: np.ndarra
     tail = (1 - rule.confidence) / 2
     lo, hi = np.nanquantile(rel, [tail, 1 - tail])
     rel_delta = out["candidate"] / out["baseline"] - 1
-    sig = abs(rel_delta) >= rule.min_effect["rate"] and (lo > 0 or hi < 0)
+    sens = sensitivity(float(np.nanstd(rel)), run_se, rule)
+    sig = 100 * abs(rel_delta) >= sens["floor_pct"] and (lo > 0 or hi < 0)
     return {**out, "delta_pct": 100 * rel_delta, "ci_pct": [100 * float(lo), 100 * float(hi)], "p_value": None,
-            "significant": bool(sig), "worse": bool(sig and rel_delta < 0)}
+            "significant": bool(sig), "worse": bool(sig and rel_delta < 0), **sens}
 
 
 def _block_boot(num, den, num_boot, rng) -> np.ndarray:
@@ -178,3 +214,117 @@ def _block_boot(num, den, num_boot, rng) -> np.ndarray:
 
 def _pct(a: float, b: float) -> float:
     return 100 * (b - a) / a if a and not math.isnan(a) and not math.isnan(b) else math.nan
+
+
+# ---- sensitivity: floors and minimum detectable effects from the measured spread ----------------
+def z(p: float) -> float:
+    """Standard normal quantile."""
+    return NormalDist().inv_cdf(p)
+
+
+def sensitivity(se_boot: float, run_se: float, rule: Rule) -> dict:
+    """floor_pct (the smallest change this comparison calls: z(1-alpha/2) * SE), mde_pct
+    ((z(1-alpha/2) + z(power)) * SE) and run_se_pct, with SE**2 = se_boot**2 + run_se**2."""
+    se = math.sqrt((0.0 if math.isnan(se_boot) else se_boot) ** 2 + run_se**2)
+    za, zb = z(1 - rule.alpha / 2), z(rule.power)
+    return {"floor_pct": 100 * za * se, "mde_pct": 100 * (za + zb) * se if not math.isnan(se_boot) else None,
+            "run_se_pct": 100 * run_se}
+
+
+def student_t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom (regularized incomplete beta)."""
+    if df <= 0 or math.isnan(t):
+        return math.nan
+    x = df / (df + t * t)
+    tail = 0.5 * _betainc(df / 2, 0.5, x)
+    return 1 - tail if t > 0 else tail
+
+
+def student_t_ppf(p: float, df: float) -> float:
+    """Quantile of Student's t (bisection on the CDF)."""
+    lo, hi = -1e3, 1e3
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if student_t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b) (continued fraction, Numerical Recipes' betacf)."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1) / (a + b + 2):
+        return 1 - _betainc(b, a, 1 - x)
+    f, c, d = 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2 == 0:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        else:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        d = 1 + num * d
+        d = 1 / (d if abs(d) > 1e-300 else 1e-300)
+        c = 1 + num / (c if abs(c) > 1e-300 else 1e-300)
+        f *= c * d
+        if abs(1 - c * d) < 1e-12:
+            break
+    return front * (f - 1) / a
+
+
+def run_level(base: list[float], cand: list[float], alpha: float = 0.05, power: float = 0.9,
+              higher_is_worse: bool = True) -> dict:
+    """The run as the unit: a two-sided t-test on log(per-repetition value) between two
+    versions (pooled SD, df = ka + kb - 2), its MDE, and the measured run-to-run spread.
+
+    Returns k_baseline, k_candidate, spread (relative SD between repetitions of a version,
+    pooled over both; None with fewer than 3 repetitions in all), delta_pct (ratio of
+    geometric means), p_value, significant, worse, mde_pct (the change detected with
+    probability ``power`` at alpha with these repetitions and this spread).
+    """
+    a = np.log([x for x in base if x is not None and x > 0 and math.isfinite(x)])
+    b = np.log([x for x in cand if x is not None and x > 0 and math.isfinite(x)])
+    ka, kb = len(a), len(b)
+    out = {"k_baseline": ka, "k_candidate": kb, "spread": None, "delta_pct": None, "p_value": None,
+           "significant": False, "worse": False, "mde_pct": None}
+    if ka == 0 or kb == 0:
+        return out
+    d = float(b.mean() - a.mean())
+    out["delta_pct"] = 100 * math.expm1(d)
+    df = ka + kb - 2
+    if df < 1 or (ka < 2 and kb < 2):
+        return out
+    ss = float(((a - a.mean()) ** 2).sum() + ((b - b.mean()) ** 2).sum())
+    sd = math.sqrt(ss / df)
+    out["spread"] = sd
+    se = sd * math.sqrt(1 / ka + 1 / kb)
+    out["mde_pct"] = 100 * math.expm1((student_t_ppf(1 - alpha / 2, df) + student_t_ppf(power, df)) * se)
+    if se == 0:
+        out["p_value"] = 0.0 if d else 1.0
+    else:
+        t = d / se
+        out["p_value"] = 2 * (1 - student_t_cdf(abs(t), df))
+    out["significant"] = bool(out["p_value"] < alpha)
+    out["worse"] = bool(out["significant"] and (d > 0) == higher_is_worse)
+    return out
+
+
+def repetitions_needed(spread: float, target_pct: float, alpha: float = 0.05, power: float = 0.9,
+                       max_k: int = 200) -> int | None:
+    """Repetitions per version for a run-level t-test to detect a ``target_pct`` change with
+    probability ``power`` at ``alpha``, given the run-to-run relative SD ``spread``."""
+    if spread is None or not spread > 0:
+        return 2
+    target = math.log1p(target_pct / 100)
+    for k in range(2, max_k + 1):
+        df = 2 * k - 2
+        if (student_t_ppf(1 - alpha / 2, df) + student_t_ppf(power, df)) * spread * math.sqrt(2 / k) <= target:
+            return k
+    return None

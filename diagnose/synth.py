@@ -93,6 +93,9 @@ class SynthSpec:
     noise: float = 0.05  # lognormal sigma per phase and step
     run_noise: float = 0.0  # lognormal sigma of one factor on every duration (a busier machine)
     machine_slowdown: float = 1.0  # knob: hardware (every step phase this many times slower)
+    # machine evidence (probes/machine.py): None writes none (an older bundle)
+    outside_cpu_cores: float | None = None  # other processes' CPU use while the run was recorded
+    yardstick_s: float = 0.1  # the fixed yardstick's time (a slower machine: larger)
     # probes
     layer_timing_interval: int = 16
     profile_windows: int = 2  # kernel profiler windows of 4 steps each (0: none)
@@ -427,8 +430,31 @@ def _write(spec, out, run_id, reqs, steps, layer_rows, kernel_rows, coll_rows) -
     }
     (out / "metrics.prom").write_text("")
     (out / "traces").mkdir(exist_ok=True)
+    if spec.outside_cpu_cores is not None:
+        manifest["machine"] = _machine(spec, out, manifest["end_ns"] - ORIGIN_NS)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
+
+
+def _machine(spec: SynthSpec, out: Path, duration_ns: int) -> dict[str, Any]:
+    """machine.parquet samples (every 0.25 s) and the manifest's machine section, from the knobs."""
+    rng = np.random.default_rng((spec.noise_seed if spec.noise_seed is not None else spec.seed) + 31)
+    n = max(int(duration_ns / 0.25e9), 8)
+    outside = np.clip(spec.outside_cpu_cores + rng.normal(0, 0.08, n), 0, 2)
+    run = np.clip(0.8 + rng.normal(0, 0.1, n), 0, 2)
+    cols = {"t_ns": ORIGIN_NS + (np.arange(n) + 1) * 250_000_000, "interval_s": np.full(n, 0.25),
+            "cpu_busy_cores": outside + run, "run_cpu_cores": run, "outside_cpu_cores": outside,
+            "run_wait_cores": np.clip(0.5 * outside * run + rng.normal(0, 0.02, n), 0, None),
+            "steal_cores": np.zeros(n), "load_1m": outside + run, "cpu_freq_mhz": np.full(n, 2600.0)}
+    for c in ("gpu_util_pct", "gpu_other_procs", "gpu_other_memory_bytes"):
+        cols[c] = np.full(n, np.nan)
+    pq.write_table(pa.Table.from_pydict(cols, schema=schema.MACHINE), out / "machine.parquet")
+    ys = (spec.yardstick_s * np.exp(rng.normal(0, 0.02, 6))).tolist()
+    return {"sample_interval_s": 0.25, "num_samples": n, "cpus_usable": 2,
+            "yardstick": {"work": "synthetic", "before_s": ys[:3], "after_s": ys[3:], "median_s": float(np.median(ys))},
+            "outside_cpu_cores_mean": float(outside.mean()), "outside_cpu_cores_p90": float(np.quantile(outside, 0.9)),
+            "run_cpu_cores_mean": float(run.mean()), "steal_cores_mean": 0.0, "load_1m_mean": float((outside + run).mean()),
+            "cpu_freq_mhz_mean": 2600.0, "gpu_util_pct_mean": None, "gpu_other_procs_max": None}
 
 
 def _write_rows(path: Path, sch: pa.Schema, rows: list[tuple]) -> None:

@@ -153,6 +153,27 @@ SPANS = pa.schema(
     ]
 )
 
+# machine.parquet (optional: probes/machine.py; absent from older bundles and from bench):
+# what the rest of the machine did while the run was recorded, one row per sample interval.
+# *_cores = CPU-seconds per second (1.0 = one core fully busy); NaN where not readable.
+MACHINE = pa.schema(
+    [
+        ("t_ns", _ts),  # end of the interval
+        ("interval_s", pa.float64()),
+        ("cpu_busy_cores", pa.float64()),  # every process on the machine (steal excluded)
+        ("run_cpu_cores", pa.float64()),  # the run's own process tree
+        ("outside_cpu_cores", pa.float64()),  # busy - run: other processes
+        ("run_wait_cores", pa.float64()),  # the run's threads runnable but waiting for a CPU (schedstat)
+        ("steal_cores", pa.float64()),  # hypervisor steal (other VMs)
+        ("load_1m", pa.float64()),
+        ("cpu_freq_mhz", pa.float64()),
+        ("gpu_util_pct", pa.float64()),  # NVML, max over GPUs
+        ("gpu_other_procs", pa.float64()),  # processes on the GPUs that are not the run's
+        ("gpu_other_memory_bytes", pa.float64()),
+    ]
+)
+OPTIONAL_TABLES: dict[str, pa.Schema] = {"machine": MACHINE}  # not required by readers
+
 TABLES: dict[str, pa.Schema] = {
     "requests": REQUESTS,
     "steps": STEPS,

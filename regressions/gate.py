@@ -53,7 +53,8 @@ def analyse(result: RegressResult) -> None:
                                                [r.analysis for r in runs[v.label]], result.slo)
                 reps = lambda label, m: cell["versions"][label]["metrics"][m]["per_repetition"]  # noqa: E731
                 cell["comparisons"][v.label] = {
-                    m: _gate(m, comp[m], suite.thresholds.get(m), reps(base.label, m), reps(v.label, m))
+                    m: _gate(m, comp[m], suite.thresholds.get(m), reps(base.label, m), reps(v.label, m),
+                             getattr(result, "target_mde_pct", None))
                     for m in METRICS}
                 regressed = [m for m, g in cell["comparisons"][v.label].items() if g["status"] == "regressed"]
                 if regressed:
@@ -73,32 +74,47 @@ def analyse(result: RegressResult) -> None:
         result.exit_status = EXIT_OK
 
 
-def _gate(metric: str, comp: dict, threshold: float | None, base_reps: list, cand_reps: list) -> dict:
+def _gate(metric: str, comp: dict, threshold: float | None, base_reps: list, cand_reps: list,
+          target_mde_pct: float | None = None) -> dict:
     """Add ``threshold_pct`` (max regression), ``regression_pct`` (how much worse, percent; < 0
-    better), ``consistent`` and ``status``: regressed | worse | improved | unchanged.
+    better), ``consistent``, ``repetitions_needed`` (for ``target_mde_pct``) and ``status``:
+    regressed | worse | improved | unchanged.
 
-    Regressed: significantly worse by diagnose's rule (repetitions pooled), by more than
-    the threshold, and consistent: even the candidate's best repetition is worse than the
-    baseline's worst. The last condition guards against a shared machine's drift, which
-    can slow every request of one run alike: the pooled test sees many requests, but
-    only as many independent draws of the machine's state as there are repetitions.
-    Significantly worse without all three: "worse" (reported, not gated).
+    Regressed: significantly worse by diagnose's rule (repetitions pooled, the run-to-run
+    part of the floor measured from the repetitions), by more than the threshold, and, the
+    run being the unit, confirmed by the run-level test (a t-test on the repetitions' log
+    values, alpha 0.05: ``comp["run_level"]``) when each side has 2+ repetitions; with one
+    repetition a side, consistent instead (the candidate's run worse than the baseline's).
+    A shared machine's drift can slow every request of one run alike: the pooled test sees
+    many requests, but only as many independent draws of the machine's state as there are
+    repetitions. Significantly worse without all three: "worse" (reported, not gated).
     """
+    from layerscope.diagnose.stats import RUN_SPREAD, repetitions_needed
+
     d = comp.get("delta_pct")
     higher_better = metric in HIGHER_IS_BETTER
     worse_pct = None if d is None or (isinstance(d, float) and math.isnan(d)) else (-d if higher_better else d)
     b = [x for x in base_reps if x is not None and not (isinstance(x, float) and math.isnan(x))]
     c = [x for x in cand_reps if x is not None and not (isinstance(x, float) and math.isnan(x))]
     consistent = bool(b and c and (max(c) < min(b) if higher_better else min(c) > max(b)))
+    lv = comp.get("run_level") or {}
+    confirmed = lv.get("worse", False) if len(b) >= 2 and len(c) >= 2 else consistent
     if comp.get("worse"):
         gated = threshold is not None and worse_pct is not None and worse_pct > threshold
-        status = "regressed" if gated and consistent else "worse"
+        status = "regressed" if gated and confirmed else "worse"
     elif comp.get("significant"):
         status = "improved"
     else:
         status = "unchanged"
-    return {**comp, "threshold_pct": threshold, "regression_pct": worse_pct, "consistent": consistent,
-            "status": status}
+    out = {**comp, "threshold_pct": threshold, "regression_pct": worse_pct, "consistent": consistent,
+           "status": status}
+    if target_mde_pct:
+        spread = lv.get("spread")
+        out["target_mde_pct"] = target_mde_pct
+        out["spread_source"] = "measured" if spread is not None else "prior"
+        out["repetitions_needed"] = repetitions_needed(spread if spread is not None else RUN_SPREAD.get(metric, 0.1),
+                                                       target_mde_pct)
+    return out
 
 
 def representative(runs: list[PlannedRun], metric: str) -> PlannedRun:

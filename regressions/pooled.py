@@ -22,6 +22,11 @@ gives a run the same ``ok`` / ``busy_s`` shape from the client_* columns, so the
 estimators above apply unchanged (throughput then has no engine steps to bootstrap,
 so it is reported but never called significant).
 
+Sensitivity: the run is the unit of run-to-run spread (``compare_versions``): the
+repetitions' values give a t-test between the versions (``run_level``), the measured
+spread and the minimum detectable effect; ``gate`` calls a regression only when the
+pooled test and, with 2+ repetitions a side, the run-level test agree.
+
 All figures in seconds, tokens/s, requests/s.
 """
 
@@ -36,7 +41,8 @@ import pandas as pd
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.load import Run
 from layerscope.diagnose.comparison import GOODPUT, LATENCY_METRICS, THROUGHPUT, meets_slo
-from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_indices, compare_quantile, compare_rate, quantile
+from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, block_indices, compare_quantile, compare_rate, quantile,
+                                       run_level)
 
 METRIC_NAMES = tuple(name for name, *_ in LATENCY_METRICS) + (THROUGHPUT, GOODPUT)
 _LATENCY = {name: (m, q, kind) for name, m, q, kind in LATENCY_METRICS}
@@ -128,37 +134,58 @@ def confidence_interval(runs: Sequence[RunAnalysis], metric: str, slo: dict[str,
 def compare_versions(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], slo: dict[str, float],
                      rule: Rule = DEFAULT_RULE) -> dict[str, dict]:
     """metric -> {baseline, candidate, delta_pct, ci_pct, p_value, significant, worse,
-    n_baseline, n_candidate} for every metric of ``METRIC_NAMES`` (diagnose's keys)."""
+    n_baseline, n_candidate, floor_pct, mde_pct, run_se_pct, run_level} for every metric of
+    ``METRIC_NAMES`` (diagnose's keys).
+
+    The run is the unit of the run-to-run spread: each repetition's value of a metric
+    (``headline`` of that repetition) gives ``run_level`` (stats.run_level: a t-test on
+    log values between the versions, the measured spread, the MDE at these repetitions).
+    With at least 2 degrees of freedom that measured spread, not the rule's prior, sets
+    the run-to-run part of the pooled comparison's floor: spread * sqrt(1/ka + 1/kb)."""
     out: dict[str, dict] = {}
+    ka, kb = len(base), len(cand)
+    levels = {m: run_level([headline([a], m, slo) for a in base], [headline([b], m, slo) for b in cand],
+                           higher_is_worse=m in _LATENCY) for m in METRIC_NAMES}
+
+    def run_se(metric: str, kind: str) -> float:
+        lv = levels[metric]
+        measured = lv["spread"] if lv["spread"] is not None and lv["k_baseline"] + lv["k_candidate"] - 2 >= 2 else None
+        sd = measured if measured is not None else rule.spread(metric, kind)
+        return sd * math.sqrt(1 / max(ka, 1) + 1 / max(kb, 1))
+
     for name, (m, q, kind) in _LATENCY.items():
-        out[name] = compare_quantile(pooled_values(base, m), pooled_values(cand, m), q, kind, rule)
-    out[THROUGHPUT] = _throughput(base, cand, rule)
-    out[GOODPUT] = _goodput(base, cand, slo, rule)
+        out[name] = compare_quantile(pooled_values(base, m), pooled_values(cand, m), q, kind, rule, metric=name,
+                                     run_se=run_se(name, kind))
+    out[THROUGHPUT] = _throughput(base, cand, rule, run_se(THROUGHPUT, "rate"))
+    out[GOODPUT] = _goodput(base, cand, slo, rule, run_se(GOODPUT, "rate"))
+    for name in METRIC_NAMES:
+        out[name]["run_level"] = levels[name]
     return out
 
 
-def _throughput(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], rule: Rule) -> dict:
+def _throughput(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], rule: Rule, run_se: float) -> dict:
     pa_, pb_ = [_steps(a) for a in base], [_steps(b) for b in cand]
     cat = lambda parts, i: np.concatenate([p[i] for p in parts]) if parts else np.zeros(0)  # noqa: E731
-    r = compare_rate(cat(pa_, 0), cat(pa_, 1), cat(pb_, 0), cat(pb_, 1), rule)
+    r = compare_rate(cat(pa_, 0), cat(pa_, 1), cat(pb_, 0), cat(pb_, 1), rule, metric=THROUGHPUT, run_se=run_se)
     ha, hb = headline(base, THROUGHPUT, {}), headline(cand, THROUGHPUT, {})
     head_rel = 100 * (hb / ha - 1) if ha > 0 else math.nan
     if r["ci_pct"] is not None and ha > 0:  # the estimator's CI, shifted onto the headline change
         step_rel = r["delta_pct"]
         lo, hi = r["ci_pct"][0] - step_rel + head_rel, r["ci_pct"][1] - step_rel + head_rel
         r["ci_pct"] = [lo, hi]
-        r["significant"] = bool(abs(head_rel) >= 100 * rule.min_effect["rate"] and (lo > 0 or hi < 0))
+        r["significant"] = bool(abs(head_rel) >= r["floor_pct"] and (lo > 0 or hi < 0))
     sa, sb = _served_share(base), _served_share(cand)
-    if r["significant"] and not abs(sb / sa - 1) >= rule.min_effect["rate"]:
+    if r["significant"] and not 100 * abs(sb / sa - 1) >= r["floor_pct"]:
         r["significant"] = False  # an open-loop run below saturation serves its offered load
     r.update(baseline=ha, candidate=hb, delta_pct=head_rel, served_share=[sa, sb])
     r["worse"] = bool(r["significant"] and head_rel < 0)
     return r
 
 
-def _goodput(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], slo: dict[str, float], rule: Rule) -> dict:
+def _goodput(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], slo: dict[str, float], rule: Rule,
+             run_se: float | None = None) -> dict:
     from layerscope.diagnose.comparison import goodput_change
 
     ga = np.concatenate([meets_slo(a.ok, slo) for a in base]) if base else np.zeros(0, bool)
     gb = np.concatenate([meets_slo(b.ok, slo) for b in cand]) if cand else np.zeros(0, bool)
-    return goodput_change(ga, gb, headline(base, GOODPUT, slo), headline(cand, GOODPUT, slo), rule)
+    return goodput_change(ga, gb, headline(base, GOODPUT, slo), headline(cand, GOODPUT, slo), rule, run_se=run_se)

@@ -84,6 +84,7 @@ class RegressResult:
     failures: list[str] = field(default_factory=list)
     exit_status: int = EXIT_OK
     wall_s: float = 0.0
+    target_mde_pct: float | None = None  # --target-mde: repetitions needed per metric (gate)
 
     @property
     def baseline(self) -> Version:
@@ -99,6 +100,7 @@ class RegressResult:
             "versions": [{"label": v.label, "spec": v.spec, "kind": v.kind, "rev": v.rev, "dirty": v.dirty,
                           "url": v.url} for v in self.versions],
             "baseline": self.baseline.label, "slo": self.slo, "thresholds": self.suite.thresholds,
+            "target_mde_pct": self.target_mde_pct,
             "client_view": self.client_view,
             "regressions": self.regressions, "failures": self.failures, "config_diffs": self.config_diffs,
             "cells": [{k: v for k, v in c.items() if not k.startswith("_")} for c in self.cells],
@@ -147,7 +149,8 @@ def _existing_parent(p: Path) -> Path:
 
 # ---- the session -------------------------------------------------------------------------------
 def regress(suite: Suite, version_specs: list[str] | None, out: str | Path, store: str | Path | None = None,
-            repo: str | Path | None = None, progress: str = "bar", console=None) -> RegressResult:
+            repo: str | Path | None = None, progress: str = "bar", console=None,
+            target_mde_pct: float | None = None) -> RegressResult:
     """Run a session (module doc). Raises SuiteError/VersionError/RegressError before any write.
 
     ``progress``: "bar" (a rich progress bar), "lines" (one line per finished run, for
@@ -172,7 +175,7 @@ def regress(suite: Suite, version_specs: list[str] | None, out: str | Path, stor
         workload_files = _write_workloads(suite, session_dir / "workloads")
         runs = plan_runs(suite, versions, session_dir / "runs")
         result = RegressResult(suite, session, session_dir, store_path, versions, runs,
-                               client_view=any(v.is_endpoint for v in versions))
+                               client_view=any(v.is_endpoint for v in versions), target_mde_pct=target_mde_pct)
         with ResultStore(store_path) as db:
             db.start_session(session, suite.name, now.isoformat(timespec="seconds"),
                              [{"label": v.label, "spec": v.spec, "rev": v.rev} for v in versions], str(session_dir))

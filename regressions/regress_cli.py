@@ -45,6 +45,9 @@ def add_regress_parser(subparsers) -> None:
     p.add_argument("--repo", metavar="PATH", help="layerscope git checkout the revisions come from (default: the "
                                                   "one around the working directory)")
     p.add_argument("--repetitions", type=int, metavar="N", help="override the suite's repetitions")
+    p.add_argument("--target-mde", metavar="PCT", type=_pct,
+                   help="say how many repetitions per version detect a PCT%% change (e.g. 10%%) at 90%% power, "
+                        "from the run-to-run spread the repetitions measured")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object instead of the table")
     p.add_argument("--metric", metavar="NAME", help="bisect: the metric to bisect on (default: the one that regressed "
                                                    "most from GOOD to BAD); history: only this metric")
@@ -88,7 +91,8 @@ def cmd_regress(args: argparse.Namespace) -> int:
             suite = dataclasses.replace(suite, repetitions=args.repetitions)
         versions = args.versions.split(",") if args.versions else None
         result = regress(suite, versions, args.out, store=args.store, repo=args.repo,
-                         progress="off" if args.no_progress else "bar" if err.is_terminal else "lines", console=err)
+                         progress="off" if args.no_progress else "bar" if err.is_terminal else "lines", console=err,
+                         target_mde_pct=args.target_mde)
     except ValueError as e:  # SuiteError, VersionError, RegressError, ConfigError
         print(f"layerscope regress: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -98,7 +102,35 @@ def cmd_regress(args: argparse.Namespace) -> int:
         Console(width=max(Console().width, 140)).print(terminal_table(result))
         for f in result.failures:
             err.print(f"[red]run failed[/]: {f}")
+        for line in sensitivity_lines(result):
+            print(line)
     return result.exit_status
+
+
+def _pct(text: str) -> float:
+    v = float(text.strip().rstrip("%"))
+    if not 0 < v < 1000:
+        raise argparse.ArgumentTypeError(f"--target-mde must be a percentage in (0, 1000), got {text!r}")
+    return v
+
+
+def sensitivity_lines(result) -> list[str]:
+    """Per cell and candidate: each metric's MDE at these repetitions and, with --target-mde,
+    the repetitions per version that target needs (stats.repetitions_needed)."""
+    out = []
+    for cell in result.cells:
+        for label, comps in cell["comparisons"].items():
+            parts = []
+            for m, g in comps.items():
+                lv = g.get("run_level") or {}
+                mde = lv.get("mde_pct") if lv.get("mde_pct") is not None else g.get("mde_pct")
+                txt = f"{m} MDE {mde:.0f}%" if mde is not None else f"{m} MDE n/a"
+                if g.get("target_mde_pct"):
+                    need = g.get("repetitions_needed")
+                    txt += f" ({need if need else '>200'} reps for {g['target_mde_pct']:g}%, {g['spread_source']} spread)"
+                parts.append(txt)
+            out.append(f"sensitivity {cell['workload']}/{cell['config']} {label}: " + "; ".join(parts))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,9 +89,10 @@ def _bundle_writer_class():
         /metrics exposition where no recorder supplies one (bench)."""
 
         def __init__(self, *a, client_summary: dict[str, Any] | None = None, metrics_text: str | None = None,
-                     **kw):
+                     machine: dict[str, Any] | None = None, **kw):
             super().__init__(*a, **kw)
             self.client_summary = client_summary
+            self.machine = machine
             if metrics_text:
                 self.add_metrics_text(metrics_text)
 
@@ -99,6 +100,8 @@ def _bundle_writer_class():
             m = super()._manifest(rows)
             if self.client_summary is not None:
                 m["summary"]["client"] = self.client_summary
+            if self.machine is not None:
+                m["machine"] = self.machine  # optional key (probes/machine.py)
             return m
 
     return RunBundleWriter
@@ -222,6 +225,7 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
     ``timeout_s``: per request; ``startup_timeout_s``: for the replicas to load.
     """
     from layerscope.engine.gateway.server import serving
+    from layerscope.probes.machine import MachineSampler
     from layerscope.regressions.load.loadgen import run_load, server_in_process
 
     if probes not in PROBE_LEVELS:
@@ -241,8 +245,12 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
 
         print(warmup_line(gateway, "run"), file=sys.stderr, flush=True)
         requests = spec.build(gateway.tokenizer)
+        machine = MachineSampler()  # what the rest of the machine does meanwhile (issue 16)
+        machine.yardstick("before")
         with server_in_process():
+            machine.start()
             result = run_load(url, spec, requests, progress=progress, timeout_s=timeout_s)
+            machine.stop().yardstick("after")
         gateway.wait_idle()
         exports = gateway.collect_replica_records()
         if gateway.recording:
@@ -256,7 +264,8 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
                         ("--tp", tp or None), ("--profile", profile), ("--overwrite", overwrite)])
     writer = _bundle_writer_class()(
         out, command=command, config=gateway.config, resolved=gateway.resolved[0], workload=spec.to_dict(),
-        faults=gateway.faults, probes=probes, overwrite=overwrite, client_summary=result.summary())
+        faults=gateway.faults, probes=probes, overwrite=overwrite, client_summary=result.summary(),
+        machine=machine.manifest_section())
     writer.start_ns, writer.end_ns = result.start_ns, result.end_ns
     for exp in exports:
         if exp is not None:
@@ -266,6 +275,7 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
     writer.add_request_fields(r.to_row() for r in gateway.records)
     writer.add_request_fields(client_rows(result))
     path = writer.write()
+    machine.write(path)
     if gateway.recording:
         gateway.recorder.shutdown()
     return path

@@ -27,14 +27,15 @@ def test_block_indices_are_runs_of_consecutive_indices():
 def test_effect_size_floor_and_ci():
     rng = np.random.default_rng(1)
     a = rng.lognormal(np.log(0.1), 0.3, 2000)
-    small = compare_quantile(a, a * 1.05, 0.5, "p50")  # certain but below the 15% minimum effect
-    assert not small["significant"]
+    small = compare_quantile(a, a * 1.05, 0.5, "p50")  # certain, but within the run-to-run spread of one pair
+    assert not small["significant"] and small["floor_pct"] > 5
     big = compare_quantile(a, a * 1.5, 0.5, "p50")
     assert big["significant"] and big["worse"] and big["ci_pct"][0] > 0
     better = compare_quantile(a, a * 0.5, 0.5, "p50")
     assert better["significant"] and not better["worse"]
-    tiny = compare_quantile(a * 1e-3, a * 2e-3, 0.5, "p50")  # +100% but 0.1 ms: under the absolute floor
-    assert not tiny["significant"]
+    # no absolute floor: +40% of a 0.1 ms median (a small model's TPOT) is a change
+    tiny = compare_quantile(a * 1e-3, a * 1.4e-3, 0.5, "p50")
+    assert tiny["significant"] and tiny["worse"]
     assert not compare_quantile(a[:3], a[:3] * 2, 0.5, "p50")["significant"]  # too few samples
 
 
@@ -43,6 +44,44 @@ def test_ci_width_shrinks_with_more_samples():
     w = []
     for n in (100, 3000):
         a, b = rng.lognormal(0, 0.5, n), rng.lognormal(0, 0.5, n)
-        lo, hi = compare_quantile(a, b, 0.5, "p50", Rule(min_abs_s=0))["ci_pct"]
+        lo, hi = compare_quantile(a, b, 0.5, "p50", Rule())["ci_pct"]
         w.append(hi - lo)
     assert w[1] < w[0] / 3
+
+
+def test_floor_and_mde_follow_the_spread():
+    """The floor is z * SE with SE from the bootstrap and the run-to-run spread: a 10% change is
+    not called with one noisy run per side, and is with a small (measured) run-to-run SE."""
+    rng = np.random.default_rng(4)
+    a = rng.lognormal(np.log(1e-3), 0.2, 3000)
+    b = a * 1.10
+    one_pair = compare_quantile(a, b, 0.5, "p50", paired=True, metric="tpot_p50_s")
+    assert not one_pair["significant"] and one_pair["mde_pct"] > 10
+    pooled = compare_quantile(a, b, 0.5, "p50", paired=True, metric="tpot_p50_s", run_se=0.02)
+    assert pooled["significant"] and pooled["worse"] and pooled["mde_pct"] < 10
+    assert pooled["floor_pct"] < pooled["mde_pct"]
+    # with no run-to-run spread the floor is the bootstrap's alone, and shrinks with n
+    f = [compare_quantile(rng.lognormal(0, 0.3, n), rng.lognormal(0, 0.3, n), 0.5, "p50", run_se=0.0)["floor_pct"]
+         for n in (200, 5000)]
+    assert f[1] < f[0] / 2
+
+
+def test_student_t_and_run_level_match_scipy():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    from layerscope.diagnose.stats import repetitions_needed, run_level, student_t_cdf, student_t_ppf
+
+    for df in (1, 3, 8, 30):
+        assert student_t_ppf(0.975, df) == pytest.approx(scipy_stats.t.ppf(0.975, df), rel=1e-6)
+        assert student_t_cdf(1.3, df) == pytest.approx(scipy_stats.t.cdf(1.3, df), rel=1e-6)
+    base, cand = [1.00, 1.04, 0.97, 1.02, 0.99], [1.12, 1.08, 1.15, 1.10, 1.11]
+    r = run_level(base, cand)
+    ref = scipy_stats.ttest_ind(np.log(cand), np.log(base), equal_var=True).pvalue
+    assert r["p_value"] == pytest.approx(ref, rel=1e-6)
+    assert r["significant"] and r["worse"] and r["k_baseline"] == 5
+    better = run_level(cand, base)
+    assert better["significant"] and not better["worse"]
+    # repetitions for 90% power at 10% with a 5% spread: the smallest k whose t-based MDE <= 10%
+    k = repetitions_needed(0.05, 10)
+    mde = lambda k: np.expm1((scipy_stats.t.ppf(0.975, 2 * k - 2) + scipy_stats.t.ppf(0.9, 2 * k - 2))  # noqa: E731
+                             * 0.05 * np.sqrt(2 / k))
+    assert mde(k) <= 0.10 < mde(k - 1)

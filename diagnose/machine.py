@@ -1,0 +1,310 @@
+"""Did the machine differ between two runs? Contention and speed, from the bundles' machine evidence.
+
+probes/machine.py records, with every ``layerscope run``, what other processes did
+(``outside_cpu_cores`` every 0.25 s, plus hypervisor steal and GPU processes) and a
+fixed yardstick's time before and after the load. ``machine_diff`` compares them:
+
+- **contention**: the runs' samples of other processes' CPU use (outside + steal,
+  cores) differ by a rank test (Mann-Whitney p < 0.01) and by a material amount:
+  at least a quarter of a core, and at least 10% of the usable CPUs (one busy core on a
+  64-core machine is no contention); or, on a saturated machine where the CPUs are busy
+  either way, the share of the time the run's threads were runnable that they spent
+  waiting for a CPU (schedstat) differs by a rank test (p < 0.01) and by >= 10 points;
+- **speed**: the yardstick's timings (3 before + 3 after the load in each run) differ
+  by a rank test (p < 0.05) and the medians by >= 10% (one core's speed: frequency, a
+  VM neighbour, thermal limits);
+- **GPU**: processes that are not the run's on its GPUs in one run and not the other;
+- **instability**: the yardstick is a fixed workload, so the range of its 12 timings
+  (slowest over fastest, both runs pooled: ``machine_range``) is how much the machine's
+  speed for this run varied while the two runs were recorded. On a quiet machine it is a
+  few percent; on an oversubscribed one it can be 10x, and then no step phase's change
+  within that factor can be told from the machine's (``comparison``). Latencies that
+  include queueing move by more than the machine's factor (a queue amplifies a slower
+  server), so the comparison tests the per-step phases against the range, not the
+  latencies.
+
+The run with more contention or the slower yardstick is the one "on the busier
+machine"; the comparison (``comparison.compare``) uses that to say ``environment_changed``
+instead of blaming a software layer. Bundles without machine evidence give
+``recorded: False`` and change nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from layerscope.diagnose.config_diff import can_move
+from layerscope.diagnose.stats import mann_whitney_p
+
+MIN_CORES = 0.25  # a material contention difference: at least this many cores ...
+MIN_CPU_SHARE = 0.10  # ... and this share of the usable CPUs
+MIN_WAIT_SHARE = 0.10  # or the run's CPU wait share differs by this (a saturated machine)
+CONTENTION_P = 0.01
+SPEED_RATIO = 1.10
+UNSTABLE_RANGE = 1.25  # the yardstick's slowest/fastest over both runs: the machine's speed varied
+SPEED_P = 0.05
+
+
+def _contention(df) -> np.ndarray:
+    if df is None or not len(df):
+        return np.zeros(0)
+    out = df["outside_cpu_cores"].to_numpy(np.float64)
+    steal = np.nan_to_num(df["steal_cores"].to_numpy(np.float64)) if "steal_cores" in df else 0.0
+    v = out + steal
+    return v[~np.isnan(v)]
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def _wait_share(df) -> np.ndarray:
+    """Per sample: run-queue wait / (wait + CPU) of the run's threads (0..1)."""
+    if df is None or not len(df) or "run_wait_cores" not in df:
+        return np.zeros(0)
+    w = df["run_wait_cores"].to_numpy(np.float64)
+    c = df["run_cpu_cores"].to_numpy(np.float64)
+    tot = w + c
+    ok = ~np.isnan(tot) & (tot > 0.02)  # samples where the run wanted a CPU at all
+    return w[ok] / tot[ok]
+
+
+def _yardstick(section: dict | None) -> list[float]:
+    y = (section or {}).get("yardstick") or {}
+    return [float(x) for x in (y.get("before_s") or []) + (y.get("after_s") or []) if x is not None]
+
+
+def machine_diff(a, b) -> dict[str, Any]:
+    """Compare the machine evidence of two RunAnalysis objects (module doc).
+
+    Returns recorded, changed, busier ("baseline" | "candidate" | None: the run whose
+    machine was busier or slower; None when neither or they disagree), contention_changed,
+    speed_changed, outside_cpu_cores [baseline, candidate] (means), contention_p_value,
+    yardstick_s [medians], yardstick_ratio, yardstick_p_value, load_1m, gpu_other_procs,
+    evidence (sentences)."""
+    (da, sa), (db, sb) = a.machine, b.machine
+    out: dict[str, Any] = {"recorded": sa is not None and sb is not None, "changed": False, "busier": None,
+                           "contention_changed": False, "speed_changed": False, "evidence": []}
+    for key in ("outside_cpu_cores_mean", "load_1m_mean", "gpu_other_procs_max"):
+        out[key.replace("_mean", "").replace("_max", "")] = [(sa or {}).get(key), (sb or {}).get(key)]
+    if not out["recorded"]:
+        out["evidence"].append("no machine evidence recorded in " + " and ".join(
+            n for n, s in (("the baseline", sa), ("the candidate", sb)) if s is None))
+        return out
+    votes: list[str] = []
+    ca, cb = _contention(da), _contention(db)
+    if len(ca) >= 4 and len(cb) >= 4:
+        ma, mb = float(ca.mean()), float(cb.mean())
+        cpus = max(int(sa.get("cpus_usable") or 1), int(sb.get("cpus_usable") or 1))
+        p = mann_whitney_p(ca, cb)
+        out.update(outside_cpu_cores=[ma, mb], contention_p_value=p)
+        material = abs(mb - ma) >= max(MIN_CORES, MIN_CPU_SHARE * cpus)
+        if material and p < CONTENTION_P:
+            out["contention_changed"] = True
+            busier = "candidate" if mb > ma else "baseline"
+            votes.append(busier)
+            out["evidence"].append(f"other processes used {ma:.2f} -> {mb:.2f} cores of {cpus} while the runs were "
+                                   f"recorded (Mann-Whitney p={p:.2g} over {len(ca)}/{len(cb)} samples): the "
+                                   f"{busier} ran on the busier machine")
+        else:
+            out["evidence"].append(f"other processes used {ma:.2f} -> {mb:.2f} cores of {cpus} "
+                                   f"(p={p:.2g}): {'not a material difference' if not material else 'not significant'}")
+    wa, wb = _wait_share(da), _wait_share(db)
+    if len(wa) >= 4 and len(wb) >= 4:
+        ma, mb = float(wa.mean()), float(wb.mean())
+        p = mann_whitney_p(wa, wb)
+        out.update(run_wait_share=[ma, mb], run_wait_p_value=p)
+        if abs(mb - ma) >= MIN_WAIT_SHARE and p < CONTENTION_P:
+            out["contention_changed"] = True
+            busier = "candidate" if mb > ma else "baseline"
+            votes.append(busier)
+            out["evidence"].append(f"the run's threads waited for a CPU {ma:.0%} -> {mb:.0%} of the time they were "
+                                   f"runnable (Mann-Whitney p={p:.2g}): the {busier} ran on the busier machine")
+        else:
+            out["evidence"].append(f"the run's threads waited for a CPU {ma:.0%} -> {mb:.0%} of the time they were "
+                                   f"runnable (p={p:.2g}): {'not significant' if abs(mb - ma) >= MIN_WAIT_SHARE else 'not a material difference'}")
+    ya, yb = _yardstick(sa), _yardstick(sb)
+    if len(ya) >= 2 and len(yb) >= 2:
+        ra, rb = float(np.median(ya)), float(np.median(yb))
+        ratio = rb / ra if ra > 0 else math.nan
+        p = mann_whitney_p(np.array(ya), np.array(yb))
+        out.update(yardstick_s=[ra, rb], yardstick_ratio=ratio, yardstick_p_value=p)
+        if (ratio >= SPEED_RATIO or ratio <= 1 / SPEED_RATIO) and p < SPEED_P:
+            out["speed_changed"] = True
+            slower = "candidate" if ratio > 1 else "baseline"
+            votes.append(slower)
+            out["evidence"].append(f"the fixed yardstick took {_ms(ra)} -> {_ms(rb)} (x{ratio:.2f}, "
+                                   f"p={p:.2g}): the {slower} ran on the slower machine")
+        else:
+            same = abs(math.log(ratio)) < math.log(SPEED_RATIO) if ratio > 0 else True
+            out["evidence"].append(f"the fixed yardstick took {_ms(ra)} -> {_ms(rb)} (x{ratio:.2f}, p={p:.2g}): "
+                                   + ("same speed" if same else "not a significant difference"))
+    ga, gb = out["gpu_other_procs"]
+    if ga is not None and gb is not None and (ga > 0) != (gb > 0):
+        busier = "candidate" if gb > ga else "baseline"
+        votes.append(busier)
+        out["evidence"].append(f"other processes on the GPU {ga:.0f} -> {gb:.0f}: the {busier} shared its GPU")
+    pooled = ya + yb
+    if len(ya) >= 2 and len(yb) >= 2:
+        lo, hi = min(pooled), max(pooled)
+        out["machine_range"] = float(hi / lo) if lo > 0 else math.nan
+        if out["machine_range"] >= UNSTABLE_RANGE:
+            out["evidence"].append(f"the yardstick's timings ranged x{out['machine_range']:.2f} (slowest/fastest over "
+                                   f"both runs): the machine's speed varied that much while the runs were recorded")
+    out["changed"] = bool(votes)
+    out["busier"] = votes[0] if votes and all(v == votes[0] for v in votes) else None
+    if out["busier"] is None and not votes and "yardstick_ratio" in out and abs(math.log(out["yardstick_ratio"])) > 0:
+        out["leaning"] = "candidate" if out["yardstick_ratio"] > 1 else "baseline"  # not significant
+    return out
+
+
+def machine_explains(metric: dict, higher_is_worse: bool, env: dict[str, Any]) -> bool:
+    """Whether the machine can explain a significant change of one metric: its speed varied
+    while the runs were recorded (``machine_range`` >= 1.25: then in either direction), or
+    the runs' machines differed significantly and the change goes the way that predicts
+    (the run on the busier machine is the slower one; either way when the evidence points
+    both ways)."""
+    d = metric.get("delta_pct")
+    if d is None or (isinstance(d, float) and math.isnan(d)):
+        return False
+    if unstable(env):
+        return True
+    if not env.get("changed"):
+        return False
+    if env.get("busier") is None:
+        return True
+    cand_worse = (d > 0) == higher_is_worse
+    return cand_worse == (env["busier"] == "candidate")
+
+
+def unstable(env: dict[str, Any]) -> bool:
+    rng = env.get("machine_range")
+    return rng is not None and not math.isnan(rng) and rng >= UNSTABLE_RANGE
+
+
+def machine_relevant(env: dict[str, Any]) -> bool:
+    """The machine differed between the runs, or its speed varied while they ran."""
+    return bool(env.get("changed") or unstable(env))
+
+
+# ---- what the comparison does with it ----------------------------------------------------------
+def _higher_is_worse(name: str) -> bool:
+    return not name.startswith(("output_tokens_per_s", "goodput"))
+
+
+def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, causes,
+                     cdiff: pd.DataFrame) -> tuple[str, list[dict]]:
+    """The runs' machines differed (machine.machine_diff). Changes in the direction the machine
+    predicts become ``environment_changed`` with one ``hardware`` finding per metric, unless a
+    software change stands out beyond what the machine explains: one step phase changed by a
+    factor well beyond the others' (``Causes.standout_phase``), or a config key changed that
+    can move the layer the cause rules named. Then the software finding stays, and the machine
+    difference is added to its evidence."""
+    sig = [n for n, m in metrics.items() if m["significant"]]
+    explained = [n for n in sig if machine_explains(metrics[n], _higher_is_worse(n), env)]
+    note = "the machine differed too: " + "; ".join(e for e in env["evidence"])
+    if not explained:
+        for f in findings:
+            f["evidence"].append(note)
+        return verdict, findings
+    # a phase stands out when it moved beyond the other phases by more than the machine's own speed
+    # range (the yardstick's slowest/fastest): multi-threaded phases suffer more from contention
+    rng = env.get("machine_range")
+    factor = max(1.5, rng if rng is not None and not math.isnan(rng) else 1.0)
+    worse = metrics[explained[0]].get("delta_pct", 0) * (1 if _higher_is_worse(explained[0]) else -1) > 0
+    standout = causes.standout_phase(worse, factor=factor) or _standout_front(causes, findings, worse, factor)
+    software = [f for f in findings if f["layer"] != "hardware"]
+    top = max(software, key=lambda f: f["_score"]) if software else None
+    keyed = cdiff[cdiff["kind"].isin(["config", "resolved"])] if len(cdiff) else cdiff
+    config_move = top is not None and any(can_move(r.layer, {top["layer"]}) for r in keyed.itertuples()
+                                          if isinstance(r.layer, str))
+    if standout is not None or config_move:
+        why = (f"{standout['phase']} per {'step' if standout['phase'].startswith(('engine', 'model', 'parallel')) else 'request'}"
+               f" x{standout['ratio']:.2f} while the other phases moved x{standout['others']:.2f}, beyond the "
+               f"machine's own range x{factor:.2f}" if standout is not None else
+               f"a config change can move {top['layer']}")
+        out: list[dict] = []
+        for f in findings:
+            if standout is not None and f["layer"] in _MACHINE_LAYERS and f["layer"] != standout["phase"] and (
+                    f["metric"] in explained):  # the machine's share of the change, not the software's
+                hw = next((h for h in out if h["metric"] == f["metric"] and h["layer"] == "hardware"), None)
+                if hw is None:
+                    hw = {**f, "layer": "hardware", "share": 0.0, "delta_s": 0.0, "_score": 0.0,
+                          "cause": "the machine differed between the runs: this part of the change is the busier "
+                                   "or slower machine's", "evidence": list(env["evidence"]), "_measured": []}
+                    out.append(hw)
+                hw["share"] += f["share"]
+                hw["delta_s"] += f["delta_s"]
+                hw["_score"] += f["_score"]
+                hw["_measured"] = sorted(set(hw["_measured"]) | set(f["_measured"]))
+                hw["evidence"] += [e for e in f["evidence"] if e.startswith("measured in")]
+                continue
+            f["evidence"] += [note, f"a software change stands out beyond the machine's difference: {why}"]
+            if standout is not None and f["layer"] == standout["phase"]:
+                f["_score"] += 1e9  # the software change is the finding to name, whatever the machine's share
+            out.append(f)
+        return verdict, out
+    kept = [f for f in findings if f["metric"] not in explained]
+    hw = []
+    ratios = causes.phase_ratios()
+    ratio_text = ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items() if not math.isnan(v))
+    for n in explained:
+        m = metrics[n]
+        measured = [e for f in findings if f["metric"] == n for e in f["evidence"] if e.startswith("measured in")]
+        slower = "slower" if (m["delta_pct"] or 0) * (1 if _higher_is_worse(n) else -1) > 0 else "faster"
+        who = env.get("busier") or env.get("leaning")
+        if who is not None and (who == "candidate") != (slower == "slower"):
+            who = None  # the evidence leans the other way: only the machine's variation explains it
+        hw.append({"metric": n, "layer": "hardware", "share": 1.0,
+                   "delta_s": (m["candidate"] - m["baseline"]) if n.endswith("_s") else math.nan,
+                   "cause": f"the machine, not the software: the candidate ran {slower}, the {who or 'machine'} "
+                            f"{'was busier' if who else 'varied'} (evidence below), and no software layer changed "
+                            "beyond what that explains",
+                   "evidence": env["evidence"] + ([f"per step at equal batch size: {ratio_text} (no phase stands "
+                                                   "out)"] if ratio_text else []) + measured,
+                   "config_changes": [], "alternatives": [],
+                   "_score": abs(m["delta_pct"] or 0) * (1.0 if m["worse"] else 0.01),
+                   "_measured": sorted({x for f in findings if f["metric"] == n for x in f["_measured"]})})
+    return "environment_changed", hw + kept
+
+
+# layers a busier or slower machine moves (every step phase, and the queues they feed)
+_MACHINE_LAYERS = {"engine.schedule", "model.forward", "engine.output", "parallel.collective", "kernel.compute",
+                   "kernel.launch_gap", "engine.queue", "hardware"}
+
+
+def _standout_front(causes, findings: list[dict], worse: bool, factor: float) -> dict | None:
+    """A front-end component (gateway.queue, gateway.route) whose per-request median moved by
+    more than the machine's own range, in a finding that carries >= 30% of its metric's change:
+    the front end is not a step phase, so standout_phase cannot see it. {phase, ratio, others}."""
+    from layerscope.diagnose.decompose import col
+
+    for f in findings:
+        if f["layer"] not in ("gateway.queue", "gateway.route") or not abs(f["share"] or 0) >= 0.3:
+            continue
+        c = col("ttft", f["layer"])
+        a, b = float(causes.a.ok[c].median()), float(causes.b.ok[c].median())
+        if not (a > 0 and b > 0):
+            continue
+        ratio = b / a if worse else a / b
+        if ratio >= factor:
+            return {"phase": f["layer"], "ratio": b / a, "others": 1.0}
+    return None
+
+
+def machine_json(env: dict) -> dict:
+    keys = ("recorded", "changed", "busier", "contention_changed", "speed_changed", "outside_cpu_cores",
+            "contention_p_value", "run_wait_share", "run_wait_p_value", "machine_range", "leaning", "yardstick_s", "yardstick_ratio", "yardstick_p_value", "load_1m",
+            "gpu_other_procs", "evidence")
+    return {k: _num(env[k]) if not isinstance(env.get(k), list) else [_num(x) for x in env[k]]
+            for k in keys if k in env}
+
+
+def _num(v: Any) -> Any:
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v.item() if hasattr(v, "item") else v

@@ -1,0 +1,106 @@
+"""Machine noise as evidence: the sampler writes it, diagnose reads it, and a busier or slower
+machine gives environment_changed (hardware) instead of a software layer, unless a software
+change stands out beyond the machine's own variation."""
+
+import math
+import os
+import time
+
+import pytest
+
+from layerscope.diagnose.comparison import compare
+from layerscope.probes.machine import MachineSampler, _wait_s, read_machine, yardstick_once
+
+
+def test_sampler_records_a_table_and_a_manifest_section(tmp_path):
+    m = MachineSampler(interval_s=0.05, yardstick_reps=2)
+    m.yardstick("before")
+    m.start()
+    x, t_end = 0, time.monotonic() + 1.0
+    while time.monotonic() < t_end or len(m.rows) < 3:  # this process is the run's tree: its CPU time is the run's
+        x += 1
+    m.stop().yardstick("after")
+    assert len(m.rows) >= 3
+    t = m.table()
+    assert t.num_rows == len(m.rows)
+    run = t.column("run_cpu_cores").to_pylist()
+    assert max(run) > 0.05  # the loop above
+    assert all(v >= 0 for v in t.column("outside_cpu_cores").to_pylist())
+    sec = m.manifest_section()
+    assert len(sec["yardstick"]["before_s"]) == 2 and len(sec["yardstick"]["after_s"]) == 2
+    assert all(v > 0 for v in sec["yardstick"]["before_s"] + sec["yardstick"]["after_s"])
+    assert sec["num_samples"] == len(m.rows) and sec["run_cpu_cores_mean"] > 0
+    m.write(tmp_path)
+    df, section = read_machine(tmp_path, {"machine": sec})
+    assert len(df) == len(m.rows) and section == sec
+    assert read_machine(tmp_path / "nothing", {}) == (None, None)
+
+
+def test_yardstick_and_wait_are_measurements():
+    assert 0 < yardstick_once() < 60
+    w = _wait_s(os.getpid())
+    assert math.isnan(w) or w >= 0
+
+
+def _ok(d):
+    return d["verdict"], (d["primary"] or {}).get("layer"), d["machine"].get("busier")
+
+
+def test_a_busier_machine_is_environment_changed_either_way(synth):
+    quiet = synth(seed=1, noise_seed=1, outside_cpu_cores=0.1)
+    busy = synth(seed=1, noise_seed=2, outside_cpu_cores=1.0, machine_slowdown=1.4)
+    d = compare(quiet, busy).diagnosis
+    assert _ok(d) == ("environment_changed", "hardware", "candidate"), d["metrics"]
+    f = d["findings"][0]
+    assert f["layer"] == "hardware" and any("busier machine" in e for e in f["evidence"])
+    assert all(f["layer"] == "hardware" for f in d["findings"])
+    back = compare(busy, quiet).diagnosis  # the baseline was the busy one: not an improvement of the software
+    assert _ok(back) == ("environment_changed", "hardware", "baseline")
+    assert "faster" in back["findings"][0]["cause"]
+
+
+def test_a_software_change_that_stands_out_is_still_named(synth):
+    quiet = synth(seed=1, noise_seed=1, outside_cpu_cores=0.1)
+    both = synth(seed=1, noise_seed=3, outside_cpu_cores=1.0, machine_slowdown=1.4, step_overhead_s=0.004)
+    d = compare(quiet, both).diagnosis
+    assert d["verdict"] == "regression"
+    assert d["primary"]["layer"] == "engine.schedule"
+    top = d["findings"][0]
+    assert any(e.startswith("a software change stands out") for e in top["evidence"])
+    assert any(e.startswith("the machine differed too") for e in top["evidence"])
+
+
+def test_without_machine_evidence_nothing_changes(synth):
+    a, b = synth(seed=1), synth(seed=1, noise_seed=2, machine_slowdown=1.6)
+    d = compare(a, b).diagnosis
+    assert d["machine"]["recorded"] is False and d["machine"]["changed"] is False
+    assert d["verdict"] == "regression" and d["primary"]["layer"] == "hardware"  # the uniform-factor rule
+
+
+def test_same_machine_same_verdict(synth):
+    a = synth(seed=1, noise_seed=1, outside_cpu_cores=0.3)
+    b = synth(seed=1, noise_seed=2, outside_cpu_cores=0.3, step_overhead_s=0.002)
+    d = compare(a, b).diagnosis
+    assert d["machine"]["recorded"] and not d["machine"]["changed"]
+    assert d["verdict"] == "regression" and d["primary"]["layer"] == "engine.schedule"
+
+
+@pytest.mark.parametrize("cv_add,cv_mul,cv_size,expect", [(0.1, 0.9, 1.0, False), (0.5, 0.55, 1.0, True),
+                                                          (0.2, 0.6, 0.1, True), (math.nan, 0.3, 1.0, False)])
+def test_cannot_tell_when_both_models_fit(cv_add, cv_mul, cv_size, expect):
+    from layerscope.diagnose.attribution import _KERNEL_ALTERNATIVES, _cannot_tell
+
+    ops = {"cv_additive": cv_add, "cv_multiplicative": cv_mul, "cv_size": cv_size}
+    assert _cannot_tell(ops) is expect
+    alts = _KERNEL_ALTERNATIVES(1.0, ops)
+    assert {a["layer"] for a in alts} == {"kernel.launch_gap", "kernel.compute"}
+    assert all(a["reason"] for a in alts)
+    assert "shrank" in _KERNEL_ALTERNATIVES(-1.0, ops)[0]["cause"]
+
+
+def test_a_front_end_change_that_stands_out_is_still_named(synth):
+    quiet = synth(seed=1, noise_seed=1, outside_cpu_cores=0.1)
+    both = synth(seed=1, noise_seed=4, outside_cpu_cores=1.0, machine_slowdown=1.4, gateway_delay_s=0.05)
+    d = compare(quiet, both).diagnosis
+    assert d["verdict"] == "regression" and d["primary"]["layer"] == "gateway.queue", d["findings"][:2]
+    assert any("gateway.queue per request" in e for e in d["findings"][0]["evidence"])

@@ -1,0 +1,35 @@
+"""regress's gate: the run is the unit. A pooled 'worse' is a regression only when the
+repetitions' own t-test agrees; --target-mde says how many repetitions a change needs."""
+
+from layerscope.diagnose.stats import run_level
+from layerscope.regressions.gate import _gate
+
+
+def _comp(base, cand, worse=True):
+    return {"baseline": 1.0, "candidate": 1.2, "delta_pct": 20.0, "significant": worse, "worse": worse,
+            "run_level": run_level(base, cand)}
+
+
+def test_regressed_needs_the_run_level_test():
+    base, cand = [1.00, 1.02, 0.98, 1.01], [1.20, 1.22, 1.19, 1.21]
+    g = _gate("tpot_p50_s", _comp(base, cand), 5.0, base, cand)
+    assert g["status"] == "regressed" and g["run_level"]["worse"]
+    # the same pooled verdict, but the repetitions overlap: one noisy run does not make a regression
+    noisy_b, noisy_c = [1.0, 1.3, 0.8, 1.1], [1.2, 0.95, 1.25, 1.3]
+    g = _gate("tpot_p50_s", _comp(noisy_b, noisy_c), 5.0, noisy_b, noisy_c)
+    assert g["status"] == "worse" and not g["run_level"]["significant"]
+
+
+def test_one_repetition_a_side_falls_back_to_consistency():
+    g = _gate("tpot_p50_s", _comp([1.0], [1.2]), 5.0, [1.0], [1.2])
+    assert g["status"] == "regressed" and g["consistent"]
+
+
+def test_target_mde_says_how_many_repetitions():
+    base, cand = [1.00, 1.05, 0.95, 1.02], [1.01, 0.97, 1.04, 0.99]
+    g = _gate("tpot_p50_s", _comp(base, cand, worse=False), 5.0, base, cand, target_mde_pct=10.0)
+    assert g["spread_source"] == "measured" and g["repetitions_needed"] >= 2
+    wide = _gate("tpot_p50_s", _comp(base, cand, worse=False), 5.0, base, cand, target_mde_pct=50.0)
+    assert wide["repetitions_needed"] <= g["repetitions_needed"]
+    prior = _gate("tpot_p50_s", _comp([1.0], [1.0], worse=False), 5.0, [1.0], [1.0], target_mde_pct=10.0)
+    assert prior["spread_source"] == "prior" and prior["repetitions_needed"] >= 2
