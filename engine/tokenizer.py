@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from layerscope.engine.models.loader import CheckpointError, check_model_dir
+from layerscope.engine.models.checkpoint import CheckpointError, check_model_dir
 
 
 def load_tokenizer(model_dir: str | Path):

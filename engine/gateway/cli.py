@@ -22,6 +22,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "layerscope[otlp]; same as OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
+def use_otlp_endpoint(url: str | None) -> None:
+    """Export traces to the OTLP/HTTP collector at ``url`` too: every process's tracer reads
+    OTEL_EXPORTER_OTLP_ENDPOINT (replica processes inherit it). None: leave it as it is."""
+    if url:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = url
+
+
 def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFactory | None = None):
     """EngineConfig + Faults from the command line, and a Gateway (not started yet): a bad ``--set`` or
     ``--fault`` (or one this run cannot have) is an error here, before anything starts.
@@ -32,8 +39,7 @@ def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFac
     from layerscope.engine.faults import Faults
     from layerscope.engine.gateway.gateway import Gateway
 
-    if getattr(args, "otlp_endpoint", None):  # read by every process's tracer (replicas inherit it)
-        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
+    use_otlp_endpoint(getattr(args, "otlp_endpoint", None))
     overrides = parse_set_args(args.set)
     overrides["model"] = args.model
     if args.tp:

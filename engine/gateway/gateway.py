@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from layerscope.contract import STATUS_OF_FINISH_REASON
-from layerscope.engine.config import ConfigError, EngineConfig
+from layerscope.engine.config import EngineConfig
 from layerscope.engine.faults import Faults
+from layerscope.engine.models.checkpoint import check_model_dir
 from layerscope.engine.gateway.admission import AdmissionController, QueueFullError
 from layerscope.engine.gateway.messages import (
     AbortRequest,
@@ -108,8 +109,7 @@ class Gateway:
         """
         if num_replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {num_replicas}")
-        if not Path(config.model).is_dir():
-            raise ConfigError(f"--model {config.model!r} is not a directory (a Hugging Face-format checkpoint)")
+        check_model_dir(config.model)  # a missing or wrong path says what is there, before anything starts
         self.faults = faults or Faults()
         self.faults.check(tp_size=config.tp_size, num_replicas=num_replicas, num_layers=num_model_layers(config.model))
         if config.num_threads == 0 and config.device != "cuda":

@@ -214,7 +214,7 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
         faults: Mapping[str, Any] | Sequence[str] | None = None, probes: str = "default", replicas: int = 1,
         tp: int = 0, workload_params: Mapping[str, Any] | None = None, profile: str | None = None,
         overwrite: bool = False, timeout_s: float = 300.0, startup_timeout_s: float = 300.0,
-        progress: bool = False) -> Path:
+        progress: bool = False, otlp_endpoint: str | None = None) -> Path:
     """Serve ``model`` (a checkpoint directory), drive it with ``workload`` (a built-in name, a
     .toml/.json file or a WorkloadSpec; ``workload_params`` override its fields), stop, and
     write one bundle to ``out``; returns its path.
@@ -222,7 +222,8 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
     ``config``: engine/gateway keys (``--set``: ``{"max_num_seqs": 8, "gateway.max_queue": 64}``);
     ``faults``: ``{"gateway.delay_ms": 150}`` or ``["model.layer_delay=layers.1.mlp:6"]``;
     ``probes``: off | default | full; ``profile``: kernels | pyspy | all (implies full);
-    ``timeout_s``: per request; ``startup_timeout_s``: for the replicas to load.
+    ``timeout_s``: per request; ``startup_timeout_s``: for the replicas to load;
+    ``otlp_endpoint``: also export traces to this OTLP/HTTP collector (needs layerscope[otlp]).
     """
     from layerscope.engine.gateway.server import serving
     from layerscope.probes.machine import MachineSampler
@@ -239,6 +240,9 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
     recorder_kwargs = None
     if profile:
         probes, recorder_kwargs = "full", PROFILES[profile]
+    from layerscope.engine.gateway.cli import use_otlp_endpoint
+
+    use_otlp_endpoint(otlp_endpoint)
     gateway = _gateway(model, config, fault_items, probes, replicas, tp, recorder_kwargs)
     with serving(gateway, startup_timeout_s) as url:
         from layerscope.engine.gateway.cli import warmup_line

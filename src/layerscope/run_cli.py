@@ -109,7 +109,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     path = run(model=args.model, workload=args.workload, out=args.out, config=parse_set_args(args.set),
                faults=args.fault, probes=args.probes, replicas=args.replicas, tp=args.tp,
                workload_params=workload_params(args), profile=args.profile, overwrite=args.overwrite,
-               timeout_s=args.timeout, startup_timeout_s=args.startup_timeout, progress=_progress(args))
+               timeout_s=args.timeout, startup_timeout_s=args.startup_timeout, progress=_progress(args),
+               otlp_endpoint=args.otlp_endpoint)
     print_summary(path, args.model)
     return 0
 

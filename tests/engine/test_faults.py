@@ -97,7 +97,9 @@ def test_gateway_refuses_before_starting_a_replica(tiny_model, kw, match):
 def test_model_that_is_not_a_directory(tmp_path):
     from layerscope.engine.gateway.cli import build_gateway
 
-    with pytest.raises(ConfigError, match="is not a directory"):
+    from layerscope.engine.models.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="nope: no such directory .*not a hub id"):
         build_gateway(_gateway_args(str(tmp_path / "nope")), record=True)
 
 

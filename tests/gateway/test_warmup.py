@@ -41,7 +41,7 @@ def test_serve_reports_the_warm_up_and_health_waits_for_it(tiny_model):
     from layerscope.engine.gateway.gateway import Gateway
 
     gateway = Gateway(EngineConfig.from_overrides(model=str(tiny_model), max_num_seqs=3), num_replicas=1,
-                      probes="off")
+                      recorders=None)
     try:
         assert not gateway.is_healthy
         gateway.start()
@@ -66,7 +66,7 @@ def test_first_and_third_run_of_a_workload_are_within_noise(tiny_model):
     from layerscope.regressions.load.workloads import builtin
 
     gateway = Gateway(EngineConfig.from_overrides(model=str(tiny_model), num_kv_blocks=512), num_replicas=1,
-                      probes="off", served_model_name="tiny")
+                      recorders=None, served_model_name="tiny")
     spec = builtin("offline", num_requests=24, output_len=24)
     with serving(gateway) as url:
         reqs = spec.build(gateway.tokenizer)

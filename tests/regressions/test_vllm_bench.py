@@ -128,7 +128,7 @@ def server(tiny_model):
     from layerscope.engine.gateway.server import serving
 
     gateway = Gateway(EngineConfig.from_overrides(model=str(tiny_model), num_kv_blocks=512), num_replicas=1,
-                      probes="off", record=False, served_model_name="tiny")
+                      recorders=None, record=False, served_model_name="tiny")
     with serving(gateway) as url:
         yield url
 
