@@ -233,12 +233,6 @@ class MachineSampler:
             "gpu_other_procs_max": stat("gpu_other_procs", np.max),
         }
 
-    def write(self, bundle_dir: str | Path) -> None:
-        """Write ``machine.parquet`` into a bundle directory (after the bundle was written)."""
-        from layerscope.probes.bundle import write_table
-
-        write_table(Path(bundle_dir) / MACHINE_FILE, self.table())
-
 
 def _wait_s(pid: int) -> float:
     """Seconds the threads of ``pid`` spent runnable but waiting for a CPU (Linux schedstat;

@@ -279,7 +279,10 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
     writer.add_request_fields(r.to_row() for r in gateway.records)
     writer.add_request_fields(client_rows(result))
     path = writer.write()
-    machine.write(path)
+    from layerscope.probes.bundle import write_table
+    from layerscope.probes.machine import MACHINE_FILE
+
+    write_table(path / MACHINE_FILE, machine.table())  # the sampler's table, beside the bundle's
     if gateway.recording:
         gateway.recorder.shutdown()
     return path

@@ -30,7 +30,10 @@ def test_sampler_records_a_table_and_a_manifest_section(tmp_path):
     assert len(sec["yardstick"]["before_s"]) == 2 and len(sec["yardstick"]["after_s"]) == 2
     assert all(v > 0 for v in sec["yardstick"]["before_s"] + sec["yardstick"]["after_s"])
     assert sec["num_samples"] == len(m.rows) and sec["run_cpu_cores_mean"] > 0
-    m.write(tmp_path)
+    from layerscope.probes.bundle import write_table
+    from layerscope.probes.machine import MACHINE_FILE
+
+    write_table(tmp_path / MACHINE_FILE, t)
     df, section = read_machine(tmp_path, {"machine": sec})
     assert len(df) == len(m.rows) and section == sec
     assert read_machine(tmp_path / "nothing", {}) == (None, None)
