@@ -19,6 +19,10 @@ errors, request rate) and ``layerscope-layers`` (one row per layer of the servin
 stack). Both take a Prometheus datasource as an import input (``DS_PROMETHEUS``) and
 have ``model_name`` and ``replica`` template variables. Output is deterministic: a
 rebuild is byte-identical.
+
+Why one file past 400 lines: the two dashboards' layouts are data (rows of panels per layer) and
+read best in one place beside the few panel builders they call; splitting them would scatter one
+table over several files.
 """
 
 from __future__ import annotations

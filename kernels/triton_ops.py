@@ -28,6 +28,9 @@ Why one ~650-line module: ``dispatch.get_kernel_ops("triton")`` loads exactly on
 per backend, mirroring ``reference.py`` function for function; the sections below
 (RMSNorm, rotary, SiLU-and-mul, KV write, attention) are independent and each pairs
 its kernel with its wrapper.
+
+Why one file past 400 lines: one Triton kernel per reference op, each with its launcher, sharing
+the rounding and masking helpers below; they are read (and tested) side by side with reference.py.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ which makes no difference at these context lengths). The tokenizer is independen
 ``seed`` and ``arch``: it depends only on the preset's vocabulary size.
 
 Command line: ``python -m layerscope.engine.models.create OUT_DIR --arch qwen3 --preset small``.
+
+Why one file past 400 lines: a checkpoint is written whole here (config, weights, a tokenizer
+trained on the bundled corpus, the chat template, optional training so outputs are not uniform),
+and each part is small; they share the preset table.
 """
 
 from __future__ import annotations
