@@ -24,7 +24,7 @@ which makes no difference at these context lengths). The tokenizer is independen
 Command line: ``python -m layerscope.engine.models.create OUT_DIR --arch qwen3 --preset small``.
 
 Why one file past 400 lines: a checkpoint is written whole here (config, weights, a tokenizer
-trained on the bundled corpus, the chat template, optional training so outputs are not uniform),
+trained on the bundled corpus, the chat template, sharded safetensors when asked),
 and each part is small; they share the preset table.
 """
 
