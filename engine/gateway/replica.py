@@ -52,6 +52,7 @@ class TokenDelta(NamedTuple):
     engine_finished_ns: int | None
     num_preemptions: int
     text: str | None = None  # the whole output text, on the finished delta only (stop strings cut it)
+    logprobs: list | None = None  # the new tokens' {token_id: Logprob}, when the request asked for them
 
 
 # ---- child process ------------------------------------------------------------------------------
@@ -121,7 +122,8 @@ def _delta(out) -> TokenDelta:
     return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                       out.stop_reason, len(out.prompt_token_ids), out.num_cached_tokens, len(out.token_ids),
                       out.arrival_ns, out.first_token_ns, out.finished_ns, out.num_preemptions,
-                      out.text if out.finished else None)
+                      out.text if out.finished else None,
+                      None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(out.new_token_ids):])
 
 
 def replica_main(index: int, config, faults, probes: str, model_name: str, recorder_kwargs: dict[str, Any],
