@@ -41,9 +41,11 @@ from layerscope.kernels import cpu_native
 
 MAX_NEW = 16
 TOP = 5
-# (arch, preset, training steps); see the module docstring for why not 100m
-CASES = [("llama", "tiny", 120), ("qwen2", "tiny", 120), ("qwen3", "tiny", 120), ("llama", "small", 40),
-         ("qwen3", "small", 40)]
+# (arch, preset, training steps); see the module docstring for why not 100m. The small preset
+# (4096-token vocabulary) takes ~1 min to train and run on a quiet 2-core box (4 min on a
+# shared one), so one arch of it runs, marked slow.
+CASES = [("llama", "tiny", 120), ("qwen2", "tiny", 120), ("qwen3", "tiny", 120),
+         pytest.param(("qwen3", "small", 40), marks=pytest.mark.slow)]
 ENGINE = dict(
     dtype="bfloat16",
     max_num_batched_tokens=32,  # chunked prefill: long prompts take several steps
@@ -183,7 +185,7 @@ def logprob_error(a: list[Greedy], ref: list[Greedy]) -> float:
     return sum(diffs) / max(len(diffs), 1)
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{p}" for a, p, _ in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=["llama-tiny", "qwen2-tiny", "qwen3-tiny", "qwen3-small"])
 def case(request, tmp_path_factory):
     """(name, checkpoint, prompts, transformers bf16 runs, transformers fp32 runs), trained once."""
     from transformers import AutoTokenizer
@@ -201,9 +203,9 @@ def test_bf16_engine_matches_transformers(case, enforce_eager):
     name, path, prompts, hf_bf16, hf_fp32 = case
     engine, stats = engine_greedy(path, prompts, enforce_eager)
     assert stats["num_preemptions"] > 0 and stats["num_prefix_hits"] > 0, stats  # both in play
-    # the checkpoint is not near-uniform: the chosen token carries real probability mass
+    # the checkpoint is not near-uniform (uniform: -6.2 for tiny's 512 tokens, -8.3 for small's 4096)
     mean_top1 = sum(r[t] for g in hf_fp32 for t, r in zip(g.token_ids, g.logprobs)) / (len(prompts) * MAX_NEW)
-    assert mean_top1 > -2.5, f"{name}: mean top-1 logprob {mean_top1:.2f}: the checkpoint is too uniform"
+    assert mean_top1 > -3.0, f"{name}: mean top-1 logprob {mean_top1:.2f}: the checkpoint is too uniform"
 
     check_logprobs_close(engine, hf_bf16, "engine-bf16", "hf-bf16")
     check_logprobs_close(engine, hf_fp32, "engine-bf16", "hf-fp32")
