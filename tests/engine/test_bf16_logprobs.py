@@ -10,10 +10,11 @@ same prompts greedily as transformers in bf16 and in fp32. For each prompt:
 
 - the greedy tokens are equal up to the first divergence, and at the divergence each side's
   token is among the other's top-5 logprobs (``check_logprobs_close``);
-- over the tokens both sides share, the engine's logprob of the chosen token is no further
-  from fp32 transformers than transformers' own bf16 run is (``check_logprob_error``, with
-  a margin): a biased rounding in the GEMM moves every logit a little, which the token test
-  alone might let through.
+- over the tokens both sides share, the engine's logprob of the chosen token is much closer
+  to transformers' bf16 (eager attention: the rounding points the kernels follow) than
+  transformers' bf16 is to its fp32 (0.6x at most; 0.4x measured), and no further from fp32
+  than transformers' bf16 is (with a margin): a GEMM rounding toward zero moves every logit
+  a little (0.85x measured), which the token test alone lets through.
 
 Checkpoints are trained for a few dozen steps on the shipped corpus (one thread, seeded), so
 the next-token distributions are peaked, not near-uniform, and greedy decoding means
@@ -117,7 +118,8 @@ def make_prompts(tokenizer, n: int = 8, seed: int = 0) -> list[list[int]]:
 def hf_greedy(path, prompts: list[list[int]], dtype: torch.dtype) -> list[Greedy]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    # eager attention: the rounding points the engine's kernels follow (sdpa fuses them away)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None  # the engine runs with ignore_eos
     out = []
     with torch.inference_mode():
@@ -210,9 +212,18 @@ def test_bf16_engine_matches_transformers(case, enforce_eager):
     check_logprobs_close(engine, hf_bf16, "engine-bf16", "hf-bf16")
     check_logprobs_close(engine, hf_fp32, "engine-bf16", "hf-fp32")
     err_engine, err_hf = logprob_error(engine, hf_fp32), logprob_error(hf_bf16, hf_fp32)
+    err_pair = logprob_error(engine, hf_bf16)
     print(f"\n{name} enforce_eager={enforce_eager}: agreement engine-bf16/hf-bf16 {agreement(engine, hf_bf16):.0%}, "
           f"engine-bf16/hf-fp32 {agreement(engine, hf_fp32):.0%}, hf-bf16/hf-fp32 {agreement(hf_bf16, hf_fp32):.0%}; "
-          f"mean |logprob - fp32| engine {err_engine:.4f}, hf-bf16 {err_hf:.4f}; mean top-1 logprob {mean_top1:.2f}")
+          f"mean |logprob difference| engine-bf16/hf-bf16 {err_pair:.4f}, engine-bf16/hf-fp32 {err_engine:.4f}, "
+          f"hf-bf16/hf-fp32 {err_hf:.4f}; mean top-1 logprob {mean_top1:.2f}")
+    # the engine rounds where transformers' bf16 (eager attention) rounds, so it sits much closer
+    # to it than bf16 sits to fp32 (measured: 0.4x); a GEMM rounding toward zero instead of to
+    # nearest even measured 0.85x, so the bound is 0.6x
+    assert err_pair <= 0.6 * err_hf, (
+        f"{name}: the engine's bf16 logprobs are {err_pair:.4f} from transformers' bf16 on average, not much "
+        f"closer than transformers' bf16 is to its fp32 ({err_hf:.4f}): the bf16 rounding differs"
+    )
     assert err_engine <= 1.5 * err_hf + 0.002, (
         f"{name}: the engine's bf16 logprobs are {err_engine:.4f} from fp32 on average; transformers' bf16 "
         f"are {err_hf:.4f}"
