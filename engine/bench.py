@@ -14,8 +14,9 @@ Same model, same seeded mixed workload (prompt lengths 32-512 and output lengths
   version has it; with the same token budget per step (2048) and the same number of
   sequences per batch as the engine.
 
-Each runs once, in turn, on a machine whose other load is not controlled: say so with
-the figures. Then a decode-only measurement at batch 32 reports the
+``--rounds N`` runs the three in turn N times (interleaved) and prints the medians: on a
+machine whose other load is not controlled, one sequential pass can credit a quiet
+minute to one side; say so with the figures. Then a decode-only measurement at batch 32 reports the
 achieved GB/s and FLOP/s against this machine's measured peaks (a bf16/fp32 matmul
 and a copy microbenchmark): the roofline time is the larger of bytes moved (weights
 + the KV read per step) over bandwidth and FLOPs over peak.
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true", help="no transformers baselines")
     ap.add_argument("--skip-hf-continuous", action="store_true", help="no transformers continuous-batching baseline")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every side (medians printed)")
     ap.add_argument("--kernel-backend", default="auto", help="engine kernel backend (auto: cpu kernels where they build)")
     args = ap.parse_args(argv)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
@@ -249,24 +251,35 @@ def main(argv: list[str] | None = None) -> int:
           + f" ({args.dtype}; peak = the larger), copy {bw_peak / 1e9:.1f} GB/s")
 
     run_engine(llm, prompts[:2], [4, 4])  # warm-up
-    e_s, e_tok = run_engine(llm, prompts, olens)
-    print(f"engine (continuous batching, paged KV)  {e_tok:6d} tokens in {e_s:7.2f} s  = {e_tok / e_s:8.1f} output tok/s")
-    if not args.skip_hf:
+    cb = not args.skip_hf and not args.skip_hf_continuous and has_hf_continuous_batching()
+    if not args.skip_hf and not args.skip_hf_continuous and not cb:
+        import transformers
+
+        print(f"transformers continuous batching: not in transformers {transformers.__version__}")
+    rates: dict[str, list[float]] = {"engine": [], "static": [], "continuous": []}
+    for i in range(args.rounds):  # interleaved, so that a change in the machine's load hits every side
+        tag = f"[round {i + 1}/{args.rounds}] " if args.rounds > 1 else ""
+        e_s, e_tok = run_engine(llm, prompts, olens)
+        rates["engine"].append(e_tok / e_s)
+        print(f"{tag}engine (continuous batching, paged KV)  {e_tok:6d} tokens in {e_s:7.2f} s  = "
+              f"{e_tok / e_s:8.1f} output tok/s")
+        if args.skip_hf:
+            continue
         h_s, h_tok, waste = run_hf(model_dir, dtype, prompts, olens, args.batch)
-        print(f"transformers static batches of {args.batch} (padded)  {h_tok:6d} tokens in {h_s:7.2f} s  = "
+        rates["static"].append(h_tok / h_s)
+        print(f"{tag}transformers static batches of {args.batch} (padded)  {h_tok:6d} tokens in {h_s:7.2f} s  = "
               f"{h_tok / h_s:8.1f} output tok/s  -> engine {(e_tok / e_s) / (h_tok / h_s):.2f}x; it also computed "
               f"{waste['num_padded_prompt_tokens']} padding prompt tokens (beside {sum(map(len, prompts))} real ones) "
               f"and {waste['num_discarded_output_tokens']} output tokens past their request's length")
-        if args.skip_hf_continuous:
-            pass
-        elif not has_hf_continuous_batching():
-            import transformers
-
-            print(f"transformers continuous batching: not in transformers {transformers.__version__}")
-        else:
+        if cb:
             c_s, c_tok = run_hf_continuous(model_dir, dtype, prompts, olens, args.batch)
-            print(f"transformers continuous batching (generate_batch's manager)  {c_tok:6d} tokens in {c_s:7.2f} s  = "
-                  f"{c_tok / c_s:8.1f} output tok/s  -> engine {(e_tok / e_s) / (c_tok / c_s):.2f}x")
+            rates["continuous"].append(c_tok / c_s)
+            print(f"{tag}transformers continuous batching (generate_batch's manager)  {c_tok:6d} tokens in "
+                  f"{c_s:7.2f} s  = {c_tok / c_s:8.1f} output tok/s  -> engine {(e_tok / e_s) / (c_tok / c_s):.2f}x")
+    if args.rounds > 1:
+        med = {k: sorted(v)[len(v) // 2] for k, v in rates.items() if v}
+        print(f"median of {args.rounds} rounds (output tok/s): " + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+              + "".join(f"; engine / {k} {med['engine'] / med[k]:.2f}x" for k in ("static", "continuous") if k in med))
     r = decode_roofline(llm, args.batch, 256, flops_peak, bw_peak)
     print(f"decode step at batch {r['batch']}: {r['step_s'] * 1e3:.1f} ms, {r['gb_s']:.1f} GB/s, "
           f"{r['gflop_s']:.1f} GFLOP/s; roofline {r['roofline_s'] * 1e3:.1f} ms ({r['bound']}-bound) -> "
