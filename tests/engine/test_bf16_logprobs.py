@@ -12,7 +12,7 @@ same prompts greedily as transformers in bf16 and in fp32. For each prompt:
   token is among the other's top-5 logprobs (``check_logprobs_close``);
 - over the tokens both sides share, the engine's logprob of the chosen token is much closer
   to transformers' bf16 (eager attention: the rounding points the kernels follow) than
-  transformers' bf16 is to its fp32 (0.6x at most; 0.4x measured), and no further from fp32
+  transformers' bf16 is to its fp32 (0.75x at most; 0.3-0.66x measured), and no further from fp32
   than transformers' bf16 is (with a margin): a GEMM rounding toward zero moves every logit
   a little (0.85x measured), which the token test alone lets through.
 
@@ -217,10 +217,11 @@ def test_bf16_engine_matches_transformers(case, enforce_eager):
           f"engine-bf16/hf-fp32 {agreement(engine, hf_fp32):.0%}, hf-bf16/hf-fp32 {agreement(hf_bf16, hf_fp32):.0%}; "
           f"mean |logprob difference| engine-bf16/hf-bf16 {err_pair:.4f}, engine-bf16/hf-fp32 {err_engine:.4f}, "
           f"hf-bf16/hf-fp32 {err_hf:.4f}; mean top-1 logprob {mean_top1:.2f}")
-    # the engine rounds where transformers' bf16 (eager attention) rounds, so it sits much closer
-    # to it than bf16 sits to fp32 (measured: 0.4x); a GEMM rounding toward zero instead of to
-    # nearest even measured 0.85x, so the bound is 0.6x
-    assert err_pair <= 0.6 * err_hf, (
+    # the engine rounds where transformers' bf16 (eager attention) rounds, so it sits closer to
+    # it than bf16 sits to fp32 (measured: 0.30-0.41x on the tiny cases, 0.66x on qwen3-small,
+    # whose longer sums associate differently more often); a GEMM rounding toward zero instead
+    # of to nearest even measured 0.85x (llama-tiny), one corrupted packed-weight tile 9x: 0.75x
+    assert err_pair <= 0.75 * err_hf, (
         f"{name}: the engine's bf16 logprobs are {err_pair:.4f} from transformers' bf16 on average, not much "
         f"closer than transformers' bf16 is to its fp32 ({err_hf:.4f}): the bf16 path rounds or computes differently"
     )
