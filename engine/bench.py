@@ -3,9 +3,20 @@
     python -m layerscope.engine.bench [--preset 100m] [--dtype bfloat16] [--requests 64]
 
 Same model, same seeded mixed workload (prompt lengths 32-512 and output lengths
-16-256, log-normal). transformers runs padded static batches of the engine's
-max_num_seqs (left padding, each batch generating its longest output; only each
-request's own tokens count). Then a decode-only measurement at batch 32 reports the
+16-256, log-normal), against two transformers baselines:
+
+- ``static``: ``generate`` on padded static batches of the engine's max_num_seqs (left
+  padding, each batch generating its longest output; only each request's own tokens
+  count). What it computed beyond that is printed: the padding positions of its prompts
+  and the tokens generated past each request's own length.
+- ``continuous``: transformers' own continuous batching (``generate_batch``'s manager,
+  paged KV cache; each request with its own ``max_new_tokens``), where this transformers
+  version has it; with the same token budget per step (2048) and the same number of
+  sequences per batch as the engine.
+
+``--rounds N`` runs the three in turn N times (interleaved) and prints the medians: on a
+machine whose other load is not controlled, one sequential pass can credit a quiet
+minute to one side; say so with the figures. Then a decode-only measurement at batch 32 reports the
 achieved GB/s and FLOP/s against this machine's measured peaks (a bf16/fp32 matmul
 and a copy microbenchmark): the roofline time is the larger of bytes moved (weights
 + the KV read per step) over bandwidth and FLOPs over peak.
@@ -89,12 +100,17 @@ def run_engine(llm: LLM, prompts, olens) -> tuple[float, int]:
     return time.perf_counter() - t, sum(len(o.token_ids) for o in outs)
 
 
-def run_hf(model_dir: str, dtype: torch.dtype, prompts, olens, batch: int) -> tuple[float, int]:
+def run_hf(model_dir: str, dtype: torch.dtype, prompts, olens, batch: int) -> tuple[float, int, dict[str, int]]:
+    """transformers ``generate`` over padded static batches -> (seconds, useful output tokens,
+    what else it computed: ``num_padded_prompt_tokens`` (left padding, run through the
+    prefill) and ``num_discarded_output_tokens`` (generated past a request's own length
+    while the longest in its batch finished))."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None
     useful = 0
+    waste = {"num_padded_prompt_tokens": 0, "num_discarded_output_tokens": 0}
     t = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
@@ -105,7 +121,50 @@ def run_hf(model_dir: str, dtype: torch.dtype, prompts, olens, batch: int) -> tu
             hf.generate(ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_),
                         do_sample=False, pad_token_id=0)
             useful += sum(os_)
-    return time.perf_counter() - t, useful
+            waste["num_padded_prompt_tokens"] += sum(width - len(p) for p in ps)
+            waste["num_discarded_output_tokens"] += sum(max(os_) - o for o in os_)
+    return time.perf_counter() - t, useful, waste
+
+
+def has_hf_continuous_batching() -> bool:
+    """Whether this transformers has continuous batching (``generate_batch``, 4.56+)."""
+    from transformers import GenerationMixin
+
+    return hasattr(GenerationMixin, "continuous_batching_context_manager")
+
+
+def run_hf_continuous(model_dir: str, dtype: torch.dtype, prompts, olens, batch: int,
+                      max_batch_tokens: int = 2048) -> tuple[float, int]:
+    """transformers' continuous batching (the manager behind ``generate_batch``: paged KV
+    cache, requests join and leave the batch per step), each request with its own
+    ``max_new_tokens`` -> (seconds, output tokens). The model load and the manager's
+    start are outside the timed span, as the engine's are."""
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    gen = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=max(olens))
+    cb = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, max_requests_per_batch=batch,
+                                  num_blocks=max(16, 2 * batch * (max(map(len, prompts)) + max(olens)) // 256 + 1))
+    done: dict[str, int] = {}
+    with hf.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb, block=True,
+                                                timeout=30) as manager:
+        t = time.perf_counter()
+        for i, (p, o) in enumerate(zip(prompts, olens)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=o)
+        while len(done) < len(prompts):
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                if r.error is not None:
+                    raise RuntimeError(f"transformers continuous batching failed on {r.request_id}: {r.error}")
+                done[r.request_id] = len(r.generated_tokens)
+            elif r is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
+        elapsed = time.perf_counter() - t
+    want = {f"r{i}": o for i, o in enumerate(olens)}
+    if done != want:
+        bad = next(k for k in want if done.get(k) != want[k])
+        raise RuntimeError(f"transformers continuous batching: {bad} generated {done.get(bad)} tokens, not {want[bad]}")
+    return elapsed, sum(done.values())
 
 
 def decode_roofline(llm: LLM, batch: int, ctx: int, flops_peak: float, bw_peak: float, steps: int = 16) -> dict:
@@ -168,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-output", type=int, default=256)
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers baselines")
+    ap.add_argument("--skip-hf-continuous", action="store_true", help="no transformers continuous-batching baseline")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every side (medians printed)")
     ap.add_argument("--kernel-backend", default="auto", help="engine kernel backend (auto: cpu kernels where they build)")
     args = ap.parse_args(argv)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
@@ -191,12 +252,35 @@ def main(argv: list[str] | None = None) -> int:
           + f" ({args.dtype}; peak = the larger), copy {bw_peak / 1e9:.1f} GB/s")
 
     run_engine(llm, prompts[:2], [4, 4])  # warm-up
-    e_s, e_tok = run_engine(llm, prompts, olens)
-    print(f"engine        {e_tok:6d} tokens in {e_s:7.2f} s  = {e_tok / e_s:8.1f} output tok/s")
-    if not args.skip_hf:
-        h_s, h_tok = run_hf(model_dir, dtype, prompts, olens, args.batch)
-        print(f"transformers  {h_tok:6d} tokens in {h_s:7.2f} s  = {h_tok / h_s:8.1f} output tok/s")
-        print(f"ratio engine / transformers: {(e_tok / e_s) / (h_tok / h_s):.2f}x  (target >= 2.0x)")
+    cb = not args.skip_hf and not args.skip_hf_continuous and has_hf_continuous_batching()
+    if not args.skip_hf and not args.skip_hf_continuous and not cb:
+        import transformers
+
+        print(f"transformers continuous batching: not in transformers {transformers.__version__}")
+    rates: dict[str, list[float]] = {"engine": [], "static": [], "continuous": []}
+    for i in range(args.rounds):  # interleaved, so that a change in the machine's load hits every side
+        tag = f"[round {i + 1}/{args.rounds}] " if args.rounds > 1 else ""
+        e_s, e_tok = run_engine(llm, prompts, olens)
+        rates["engine"].append(e_tok / e_s)
+        print(f"{tag}engine (continuous batching, paged KV)  {e_tok:6d} tokens in {e_s:7.2f} s  = "
+              f"{e_tok / e_s:8.1f} output tok/s")
+        if args.skip_hf:
+            continue
+        h_s, h_tok, waste = run_hf(model_dir, dtype, prompts, olens, args.batch)
+        rates["static"].append(h_tok / h_s)
+        print(f"{tag}transformers static batches of {args.batch} (padded)  {h_tok:6d} tokens in {h_s:7.2f} s  = "
+              f"{h_tok / h_s:8.1f} output tok/s  -> engine {(e_tok / e_s) / (h_tok / h_s):.2f}x; it also computed "
+              f"{waste['num_padded_prompt_tokens']} padding prompt tokens (beside {sum(map(len, prompts))} real ones) "
+              f"and {waste['num_discarded_output_tokens']} output tokens past their request's length")
+        if cb:
+            c_s, c_tok = run_hf_continuous(model_dir, dtype, prompts, olens, args.batch)
+            rates["continuous"].append(c_tok / c_s)
+            print(f"{tag}transformers continuous batching (generate_batch's manager)  {c_tok:6d} tokens in "
+                  f"{c_s:7.2f} s  = {c_tok / c_s:8.1f} output tok/s  -> engine {(e_tok / e_s) / (c_tok / c_s):.2f}x")
+    if args.rounds > 1:
+        med = {k: sorted(v)[len(v) // 2] for k, v in rates.items() if v}
+        print(f"median of {args.rounds} rounds (output tok/s): " + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+              + "".join(f"; engine / {k} {med['engine'] / med[k]:.2f}x" for k in ("static", "continuous") if k in med))
     r = decode_roofline(llm, args.batch, 256, flops_peak, bw_peak)
     print(f"decode step at batch {r['batch']}: {r['step_s'] * 1e3:.1f} ms, {r['gb_s']:.1f} GB/s, "
           f"{r['gflop_s']:.1f} GFLOP/s; roofline {r['roofline_s'] * 1e3:.1f} ms ({r['bound']}-bound) -> "

@@ -23,7 +23,7 @@ from layerscope.engine.faults import Faults
 from layerscope.engine.host import keep_freed_memory
 from layerscope.engine.model_runner import kv_cache_bytes_per_block
 from layerscope.engine.models.loader import DTYPES, load_spec
-from layerscope.engine.outputs import RequestOutput
+from layerscope.engine.outputs import Logprob, RequestOutput
 from layerscope.engine.recorder import Recorder, StepRecord
 from layerscope.engine.request import Request, RequestStatus
 from layerscope.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -141,6 +141,8 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens, but the maximum context length is {self.max_model_len} "
                 f"tokens (prompt plus at least one output token)"
             )
+        if params.prompt_logprobs is not None and self.config.tp_size > 1:
+            raise InvalidRequestError("prompt_logprobs is not supported with tp_size > 1 (logprobs is)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
@@ -227,8 +229,12 @@ class LLMEngine:
         return outputs
 
     def _update_and_make_outputs(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
-        """The step's output phase: sampled tokens into the requests, then their outputs."""
-        return [self._make_output(req) for req in self.scheduler.update_from_output(out, runner_out)]
+        """The step's output phase: sampled tokens into the requests (and the logprobs asked for),
+        then their outputs."""
+        updated = self.scheduler.update_from_output(out, runner_out)
+        if runner_out.logprobs or runner_out.prompt_logprobs:
+            self._store_logprobs(runner_out)
+        return [self._make_output(req) for req in updated]
 
     def _make_output(self, req: Request) -> RequestOutput:
         rid = req.request_id
@@ -261,7 +267,32 @@ class LLMEngine:
             first_token_ns=req.first_token_ns,
             finished_ns=time.monotonic_ns() if finished else None,
             num_preemptions=req.num_preemptions,
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+            prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
         )
+
+    def _store_logprobs(self, runner_out) -> None:
+        """Keep the step's logprob rows on their requests, as {token_id: Logprob} (outputs.py)."""
+        for rid, row in (runner_out.logprobs or {}).items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and len(req.logprobs) < req.num_output_tokens:  # not if aborted mid-step
+                req.logprobs.append(self._logprob_dict(row))
+        for rid, (first, rows) in (runner_out.prompt_logprobs or {}).items():
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            for pos, row in enumerate(rows, first):
+                if pos == len(req.prompt_logprobs):  # a recomputed chunk (preemption) adds nothing
+                    req.prompt_logprobs.append(self._logprob_dict(row))
+
+    def _logprob_dict(self, row: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
+        ids, lps, rank = row
+        decode = self.tokenizer.decode
+        out = {ids[0]: Logprob(lps[0], rank, decode([ids[0]]))}
+        for r, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), 1):
+            if tid not in out:
+                out[tid] = Logprob(lp, r, decode([tid]))
+        return out
 
     def _release(self, req: Request) -> None:
         """Forget a finished request's engine-side state once it has been reported."""

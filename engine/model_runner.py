@@ -22,7 +22,7 @@ from layerscope.engine.models.native_decode import NativeDecode
 from layerscope.engine.parallel.comm import name_collectives
 from layerscope.engine.parallel.context import ParallelContext
 from layerscope.engine.parallel.layers import can_prepack, prepack_linears
-from layerscope.engine.sampler import Sampler
+from layerscope.engine.sampler import Sampler, compute_logprobs
 from layerscope.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from layerscope.kernels import AttentionMetadata, get_kernel_ops
 
@@ -34,8 +34,9 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] rows of the batch to sample from
+    logits_indices: torch.Tensor  # [N + P] rows to sample from, then P rows for prompt logprobs
     order: list[ScheduledRequest]  # requests in batch order
+    num_sample_rows: int = 0  # N; the P rows after them exist only when a request asks for prompt logprobs
 
 
 def kv_cache_bytes_per_block(spec: ModelSpec, block_size: int, num_kv_heads: int, dtype: torch.dtype) -> int:
@@ -126,6 +127,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         cu = [0]
         logits_indices: list[int] = []
+        prompt_rows: list[int] = []
         for s in order:
             n = s.num_new_tokens
             input_ids.extend(s.token_ids)
@@ -138,6 +140,9 @@ class ModelRunner:
                 cu.append(cu[-1] + n)
             if s.do_sample:
                 logits_indices.append(len(input_ids) - 1)
+            if s.prompt_logprob_targets:  # position start_pos + i predicts targets[i]
+                first = len(input_ids) - n
+                prompt_rows.extend(range(first, first + len(s.prompt_logprob_targets)))
         max_blocks = max(len(s.block_ids) for s in order)
         tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in order]
         dev = self.device
@@ -160,8 +165,9 @@ class ModelRunner:
             input_ids=t(input_ids, torch.int64),
             positions=t(positions, torch.int64),
             attn=attn,
-            logits_indices=t(logits_indices, torch.int64),
+            logits_indices=t(logits_indices + prompt_rows, torch.int64),
             order=order,
+            num_sample_rows=len(logits_indices),
         )
 
     # ---- compute ----
@@ -188,19 +194,42 @@ class ModelRunner:
             self._sync()
         t2 = time.perf_counter_ns()
         sampled = [s for s in inputs.order if s.do_sample]
+        sample_logits = logits[: inputs.num_sample_rows]
         tokens = run_timed(
             ctx,
             "sampler",
             self.sampler.sample,
-            logits,
+            sample_logits,
             [s.request_id for s in sampled],
             [s.sampling_params for s in sampled],
         )
-        t3 = time.perf_counter_ns()
-        return ModelRunnerOutput(
+        result = ModelRunnerOutput(
             sampled_token_ids={s.request_id: tok for s, tok in zip(sampled, tokens)},
-            prepare_ns=t1 - t0,
-            forward_ns=t2 - t1,
-            sample_ns=t3 - t2,
             layer_times=layer_times,
         )
+        if any(s.sampling_params.logprobs is not None for s in sampled) or len(logits) > inputs.num_sample_rows:
+            _attach_logprobs(result, inputs, sampled, sample_logits, logits)  # counted in sample_ns
+        t3 = time.perf_counter_ns()
+        result.prepare_ns, result.forward_ns, result.sample_ns = t1 - t0, t2 - t1, t3 - t2
+        return result
+
+
+def _attach_logprobs(result: ModelRunnerOutput, inputs: ModelInputs, sampled: list[ScheduledRequest],
+                     sample_logits: torch.Tensor, logits: torch.Tensor) -> None:
+    """Logprobs for the requests that ask for them (sampled tokens, then prompt tokens)."""
+    rows = [i for i, s in enumerate(sampled) if s.sampling_params.logprobs is not None]
+    if rows:
+        asked = [sampled[i] for i in rows]
+        lps = compute_logprobs(sample_logits[rows], [result.sampled_token_ids[s.request_id] for s in asked],
+                               [s.sampling_params.logprobs for s in asked])
+        result.logprobs = {s.request_id: row for s, row in zip(asked, lps)}
+    if len(logits) > inputs.num_sample_rows:
+        with_prompt = [s for s in inputs.order if s.prompt_logprob_targets]
+        targets = [t for s in with_prompt for t in s.prompt_logprob_targets]
+        num_top = [s.sampling_params.prompt_logprobs for s in with_prompt for _ in s.prompt_logprob_targets]
+        lps = compute_logprobs(logits[inputs.num_sample_rows:], targets, num_top)
+        result.prompt_logprobs, at = {}, 0
+        for s in with_prompt:
+            n = len(s.prompt_logprob_targets)
+            result.prompt_logprobs[s.request_id] = (s.start_pos + 1, lps[at : at + n])
+            at += n

@@ -5,6 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability (natural log, from the raw fp32 logits), its 1-based rank
+    in the vocabulary (1 = most likely) and its text alone (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# per output token: {token_id: Logprob}, the sampled token plus the top-k (so k or k + 1 entries)
+SampleLogprobs = list[dict[int, Logprob]]
+# per prompt token: the same, None for the first token (nothing predicts it)
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -22,3 +38,5 @@ class RequestOutput:
     first_token_ns: int | None = None
     finished_ns: int | None = None
     num_preemptions: int = 0
+    logprobs: SampleLogprobs | None = None  # one entry per token of token_ids, when asked for
+    prompt_logprobs: PromptLogprobs | None = None  # one entry per prompt token, when asked for

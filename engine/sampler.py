@@ -39,6 +39,37 @@ class Sampler:
         return out.tolist()
 
 
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: list[int], num_top: list[int]
+) -> list[tuple[list[int], list[float], int]]:
+    """Log-probabilities of chosen tokens and of the most likely ones, in one batched pass.
+
+    logits: [N, vocab] fp32 as the model produced them (before temperature, top-k, top-p:
+    vLLM's default ``raw_logprobs``); token_ids[i]: the token row i is asked about (the
+    sampled token, or the next prompt token); num_top[i]: how many of the most likely to add.
+    Returns per row ``(ids, logprobs, rank)``: ``ids[0] == token_ids[i]`` with its log-prob
+    first, then the top ``num_top[i]`` in descending order (the token may appear again
+    there); ``rank`` is token_ids[i]'s 1-based rank in the vocabulary.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [N, vocab]
+    tok = torch.tensor(token_ids, dtype=torch.int64, device=lp.device)
+    tok_lp = lp.gather(1, tok[:, None])  # [N, 1]
+    ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
+    k = max(num_top, default=0)
+    if k:
+        top_lp, top_ids = lp.topk(k, dim=-1)  # [N, k] each, descending
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    tok_lp = tok_lp[:, 0].tolist()
+    rows = []
+    for i, n in enumerate(num_top):
+        ids, lps = [token_ids[i]], [tok_lp[i]]
+        if n:
+            ids += top_ids[i][:n]
+            lps += top_lp[i][:n]
+        rows.append((ids, lps, ranks[i]))
+    return rows
+
+
 def _probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """logits: [vocab] -> probabilities after temperature, top-k and top-p."""
     x = logits / sp.temperature

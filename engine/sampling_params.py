@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI allows top_logprobs up to 20
+
+
 class InvalidRequestError(ValueError):
     """A request the engine refuses: bad sampling parameters or a prompt that does not fit."""
 
@@ -20,6 +23,12 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings (not included in the text)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # log-probabilities (vLLM's names and meaning): per output token, the sampled token plus the
+    # ``logprobs`` most likely ones; per prompt token (the first excepted), the prompt token plus
+    # the ``prompt_logprobs`` most likely ones. None: not computed (no cost). 0: the token only.
+    # Computed from the raw fp32 logits, before temperature/top-k/top-p (vLLM's raw_logprobs).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,6 +47,10 @@ class SamplingParams:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
 

@@ -38,6 +38,9 @@ class ScheduledRequest:
     do_sample: bool  # this chunk reaches the end of the known tokens: sample one
     is_prefill: bool  # still computing prompt (or recomputing after preemption)
     num_output_tokens: int  # outputs so far (for per-request sampling state)
+    # prompt_logprobs only: the prompt tokens that this chunk's positions predict (position
+    # start_pos + i predicts prompt_logprob_targets[i]); empty otherwise
+    prompt_logprob_targets: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -69,6 +72,10 @@ class ModelRunnerOutput:
     sample_ns: int = 0
     layer_times: list[tuple[str, int]] | None = None
     collectives: list = field(default_factory=list)  # CollectiveRecord of this step (TP)
+    # only for requests that ask (sampler.compute_logprobs' rows): request id -> the sampled
+    # token's row; request id -> (first prompt position, one row per predicted prompt token)
+    logprobs: dict[str, tuple[list[int], list[float], int]] | None = None
+    prompt_logprobs: dict[str, tuple[int, list[tuple[list[int], list[float], int]]]] | None = None
 
 
 class Scheduler:
@@ -174,6 +181,8 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hits, num_cached = bm.get_computed_blocks(req)
+            if req.prompt_logprobs is not None and not req.num_output_tokens:
+                hits, num_cached = [], 0  # prompt logprobs need every prompt position computed (as vLLM)
             num_new = req.num_tokens - num_cached
             if num_new > budget and not self.enable_chunked_prefill:
                 break
@@ -209,6 +218,9 @@ class Scheduler:
 
     def _describe(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
+        targets = []
+        if req.prompt_logprobs is not None and not req.num_output_tokens:
+            targets = req.prompt_token_ids[start + 1 : start + num_new + 1]
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + num_new],
@@ -218,6 +230,7 @@ class Scheduler:
             do_sample=start + num_new == req.num_tokens,
             is_prefill=start < req.num_tokens - 1,
             num_output_tokens=req.num_output_tokens,
+            prompt_logprob_targets=targets,
         )
 
     def _preempt(self, req: Request) -> None:

@@ -32,6 +32,7 @@ class TokenDelta(NamedTuple):
     engine_finished_ns: int | None
     num_preemptions: int
     text: str | None = None  # the whole output text, on the finished delta only (stop strings cut it)
+    logprobs: list | None = None  # the new tokens' {token_id: Logprob}, when the request asked for them
 
 
 # ---- gateway -> replica ----

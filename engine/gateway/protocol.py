@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from layerscope.engine.sampling_params import InvalidRequestError, SamplingParams
+from layerscope.engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 
 
 class APIError(Exception):
@@ -67,8 +67,7 @@ class _Common(BaseModel):
         """Validate into engine SamplingParams; raises APIError(400) naming the bad field."""
         if self.n != 1:
             raise APIError(400, f"n must be 1 (got {self.n}); this server generates one choice per request", param="n")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+        logprobs = self.num_logprobs()
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported by this server (must be 0)", param=name)
@@ -84,9 +83,14 @@ class _Common(BaseModel):
                 stop=stop,
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
             )
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+    def num_logprobs(self) -> int | None:
+        """How many top log-probabilities per token the request asks for (None: none)."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -97,6 +101,16 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
+
+    def num_logprobs(self) -> int | None:
+        # OpenAI: an integer, the number of most likely tokens per position (vLLM allows up to 20)
+        k = self.logprobs
+        if k is None:
+            return None
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be an integer in [0, {MAX_LOGPROBS}] on /v1/completions, got {k!r}",
+                           param="logprobs")
+        return k
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (text or token ids); batched prompts are refused."""
@@ -143,6 +157,22 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    top_logprobs: Any = None
+
+    def num_logprobs(self) -> int | None:
+        # OpenAI: ``logprobs`` is a boolean, ``top_logprobs`` in [0, 20] needs ``logprobs: true``
+        lp, k = self.logprobs, self.top_logprobs
+        if lp is not None and not isinstance(lp, bool):
+            raise APIError(400, f"logprobs must be a boolean on /v1/chat/completions (got {lp!r}); "
+                                f"set top_logprobs for the number of alternatives", param="logprobs")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+            raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}",
+                           param="top_logprobs")
+        if not lp:
+            if k:
+                raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+            return None
+        return k or 0
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -194,15 +224,72 @@ def usage_dict(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens
     }
 
 
-class ResponseBuilder:
-    """Builds the JSON bodies of one request's answer (chat or completion, stream or not)."""
+# JSON has no -inf: a token whose probability underflows gets vLLM's floor
+_MIN_LOGPROB = -9999.0
 
-    def __init__(self, request_id: str, model: str, chat: bool):
+
+def _lp(x: float) -> float:
+    return max(x, _MIN_LOGPROB)
+
+
+def chat_logprobs(token_logprobs: list[dict], num_top: int) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}.
+
+    token_logprobs: per token, the engine's {token_id: Logprob} with the chosen token first.
+    """
+    content = []
+    for d in token_logprobs:
+        chosen = next(iter(d.values()))
+        top = sorted(d.values(), key=lambda x: x.rank)[:num_top]
+        content.append({
+            "token": chosen.decoded_token, "logprob": _lp(chosen.logprob),
+            "bytes": list(chosen.decoded_token.encode("utf-8")),
+            "top_logprobs": [{"token": t.decoded_token, "logprob": _lp(t.logprob),
+                              "bytes": list(t.decoded_token.encode("utf-8"))} for t in top],
+        })
+    return {"content": content}
+
+
+def completion_logprobs(token_logprobs: list[dict], num_top: int, text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI completions ``logprobs``: tokens, token_logprobs, top_logprobs (one dict of
+    token -> logprob per position: the top ``num_top`` and the chosen token) and text_offset
+    (each token's start in the output text, counting from ``text_offset``)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for d in token_logprobs:
+        chosen = next(iter(d.values()))
+        tokens.append(chosen.decoded_token)
+        lps.append(_lp(chosen.logprob))
+        top = {t.decoded_token: _lp(t.logprob) for t in sorted(d.values(), key=lambda x: x.rank)[:num_top]}
+        top.setdefault(chosen.decoded_token, _lp(chosen.logprob))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(chosen.decoded_token)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+class ResponseBuilder:
+    """Builds the JSON bodies of one request's answer (chat or completion, stream or not).
+
+    ``num_logprobs``: the request's top-logprobs count (None: it asked for none).
+    """
+
+    def __init__(self, request_id: str, model: str, chat: bool, num_logprobs: int | None = None):
         self.id = request_id
         self.model = model
         self.chat = chat
+        self.num_logprobs = num_logprobs
         self.created = int(time.time())
         self._obj = "chat.completion.chunk" if chat else "text_completion"
+        self._text_offset = 0  # completions streams: where the next chunk's tokens start
+
+    def _logprobs(self, token_logprobs: list[dict] | None) -> dict[str, Any] | None:
+        if self.num_logprobs is None or token_logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(token_logprobs, self.num_logprobs)
+        out = completion_logprobs(token_logprobs, self.num_logprobs, self._text_offset)
+        self._text_offset += sum(len(t) for t in out["tokens"])
+        return out
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": self.id, "object": self._obj, "created": self.created, "model": self.model,
@@ -214,12 +301,14 @@ class ResponseBuilder:
         return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
-    def token_chunk(self, text: str, finish_reason: str | None = None, stop_reason: Any = None) -> str:
+    def token_chunk(self, text: str, finish_reason: str | None = None, stop_reason: Any = None,
+                    token_logprobs: list[dict] | None = None) -> str:
         """One output token (its text may be empty while a UTF-8 character is incomplete)."""
+        lps = self._logprobs(token_logprobs)
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": lps, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         return self._chunk([choice])
@@ -233,13 +322,15 @@ class ResponseBuilder:
 
     DONE = "data: [DONE]\n\n"
 
-    def full(self, text: str, finish_reason: str | None, stop_reason: Any, usage: dict) -> dict[str, Any]:
+    def full(self, text: str, finish_reason: str | None, stop_reason: Any, usage: dict,
+             token_logprobs: list[dict] | None = None) -> dict[str, Any]:
+        lps = self._logprobs(token_logprobs)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
                       "finish_reason": finish_reason, "stop_reason": stop_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,

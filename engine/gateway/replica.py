@@ -54,7 +54,8 @@ def _delta(out) -> TokenDelta:
     return TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                       out.stop_reason, len(out.prompt_token_ids), out.num_cached_tokens, len(out.token_ids),
                       out.arrival_ns, out.first_token_ns, out.finished_ns, out.num_preemptions,
-                      out.text if out.finished else None)
+                      out.text if out.finished else None,
+                      None if out.logprobs is None else out.logprobs[len(out.logprobs) - len(out.new_token_ids):])
 
 
 def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory, model_name: str,

@@ -138,7 +138,7 @@ def create_app(gateway: Gateway, api_key: str | None = None,
             gone.cancel()
             gateway.reject(rec, e)
             return error_response(e, rec.request_id) if e.status != CLIENT_GONE else Response(status_code=CLIENT_GONE)
-        builder = ResponseBuilder(rec.request_id, gateway.model_name, chat)
+        builder = ResponseBuilder(rec.request_id, gateway.model_name, chat, params.logprobs)
         if req.stream:
             gone.cancel()  # from here StreamingResponse watches the connection itself
             text = _StopHoldback(max((len(x) for x in params.stop), default=0))
@@ -218,7 +218,8 @@ async def _sse(gateway: Gateway, stream: RequestStream, builder: ResponseBuilder
         if builder.chat:
             yield builder.role_chunk()
         async for d in stream.deltas():  # one chunk per token, even when its text is held back or empty
-            yield builder.token_chunk(text.push(d), d.finish_reason if d.finished else None, d.stop_reason)
+            yield builder.token_chunk(text.push(d), d.finish_reason if d.finished else None, d.stop_reason,
+                                      d.logprobs)
         if include_usage:
             yield builder.usage_chunk(_usage(stream.record))
         status, error = 200, None
@@ -233,17 +234,18 @@ async def _sse(gateway: Gateway, stream: RequestStream, builder: ResponseBuilder
 
 
 async def _full(gateway: Gateway, stream: RequestStream, builder: ResponseBuilder) -> Response:
-    last = None
+    last, logprobs = None, []
     try:
         async for d in stream.deltas():
             last = d
+            logprobs += d.logprobs or ()
     except APIError as e:
         gateway.close(stream, e.status, e.message)
         return error_response(e, stream.record.request_id) if e.status != CLIENT_GONE else Response(status_code=CLIENT_GONE)
     except BaseException:
         gateway.close(stream, 500, "internal error")
         raise
-    body = builder.full(last.text or "", last.finish_reason, last.stop_reason, _usage(stream.record))
+    body = builder.full(last.text or "", last.finish_reason, last.stop_reason, _usage(stream.record), logprobs)
     gateway.close(stream, 200)
     return JSONResponse(body, headers={"X-Request-Id": stream.record.request_id})
 

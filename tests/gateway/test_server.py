@@ -114,7 +114,7 @@ def test_openai_client_streams_chat_with_matching_usage(client, model_name):
     assert same.choices[0].message.content == text and same.usage.completion_tokens == 12  # greedy: identical
 
 
-def test_openai_client_streams_completion_with_matching_usage(client, model_name):
+def test_openai_client_streams_completion_with_matching_usage(client, model_name, tiny_model):
     stream = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=9, temperature=0,
                                        stream=True, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True})
@@ -122,7 +122,13 @@ def test_openai_client_streams_completion_with_matching_usage(client, model_name
     token_chunks = [c for c in chunks if c.choices]
     usage = chunks[-1].usage
     assert len(token_chunks) == usage.completion_tokens == 9
-    assert usage.prompt_tokens == 4 or usage.prompt_tokens > 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    assert usage.prompt_tokens == len(tok.encode("Once upon a time", add_special_tokens=False))
+    full = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=9, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in token_chunks) == full.choices[0].text  # greedy: the same text
     ids = {c.id for c in chunks}
     assert len(ids) == 1 and ids.pop().startswith("cmpl-")
 

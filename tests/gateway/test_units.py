@@ -48,7 +48,7 @@ def test_bad_bodies_are_400_with_the_reason(raw, needle):
     ("top_k", -2, "top_k"),
     ("n", 2, "n must be 1"),
     ("presence_penalty", 0.5, "presence_penalty"),
-    ("logprobs", 3, "logprobs"),
+    ("logprobs", 21, "logprobs"),
 ])
 def test_invalid_sampling_parameters(field, value, needle):
     with pytest.raises(APIError) as e:

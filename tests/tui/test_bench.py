@@ -3,6 +3,7 @@ in-process, best of three, since other processes share this machine's two cores)
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -34,5 +35,11 @@ async def test_ten_thousand_requests_overview_under_two_seconds(big_bundle):
 def test_bench_script_prints_the_figure(big_bundle):
     out = subprocess.run([sys.executable, "-m", "layerscope.diagnose.tui.bench", "--bundle", big_bundle,
                           "--repeat", "1"], capture_output=True, text=True, timeout=120)
-    assert out.returncode in (0, 1), out.stderr  # 1: the target missed on a busy machine; the figure still prints
-    assert "time to overview (median of 1):" in out.stdout and "from process start" in out.stdout
+    # exit 1 when the target is missed on a busy machine; the figure prints either way, and the
+    # exit status, the verdict printed and the figure must agree
+    m = re.search(r"median of 1\): ([0-9.]+) s from app start, [0-9.]+ s from process start  "
+                  r"\[target < ([0-9.]+) s: (met|MISSED)\]", out.stdout)
+    assert m, (out.stdout, out.stderr)
+    app_s, target_s, verdict = float(m[1]), float(m[2]), m[3]
+    assert 0 < app_s < 120 and verdict == ("met" if app_s < target_s else "MISSED")
+    assert out.returncode == (0 if verdict == "met" else 1), out.stderr
