@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from layerscope.engine.recorder import RecorderFactory
 

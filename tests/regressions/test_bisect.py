@@ -79,11 +79,11 @@ def history(tmp_path_factory) -> tuple[Path, list[str]]:
     readme.write_text(readme.read_text() + "\nA neutral line.\n")
     git(root, "commit", "-qam", "docs: a neutral line")
     revs.append(git(root, "rev-parse", "HEAD"))
-    cfg = root / "engine/config.py"
+    cfg = root / "src/layerscope/contract.py"  # CONFIG_KEYS: every key's layer and default
     text = cfg.read_text()
-    old = 'max_num_seqs: int = _f(64, '
+    old = '"max_num_seqs": ("engine.queue", 64)'
     assert old in text
-    cfg.write_text(text.replace(old, 'max_num_seqs: int = _f(1, '))
+    cfg.write_text(text.replace(old, '"max_num_seqs": ("engine.queue", 1)'))
     git(root, "commit", "-qam", "engine: one sequence per step by default")
     revs.append(git(root, "rev-parse", "HEAD"))
     readme.write_text(readme.read_text() + "\nAnother neutral line.\n")
