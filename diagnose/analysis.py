@@ -28,8 +28,8 @@ class RunAnalysis:
 
     @cached_property
     def breakdown(self) -> pd.DataFrame:
-        """decompose.request_breakdown: one row per request, components per layer."""
-        return decompose.request_breakdown(self.run)
+        """decompose.breakdown: one row per request, components per layer (stored, or derived)."""
+        return decompose.breakdown(self.run)
 
     @cached_property
     def ok(self) -> pd.DataFrame:
@@ -56,7 +56,8 @@ class RunAnalysis:
 
     @cached_property
     def collective_ranks(self) -> pd.DataFrame:
-        return model.collective_ranks(self.run)
+        agg = self.run.collective_ranks()  # aggregated over the Parquet files: never loads the table
+        return agg if agg is not None else model.collective_ranks(self.run)
 
     @cached_property
     def tpot_breakdown(self) -> pd.DataFrame:

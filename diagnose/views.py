@@ -16,7 +16,6 @@ server-side arrival (gateway arrival, else engine arrival).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -390,8 +389,19 @@ def _sub_run(run: Run, steps: pd.DataFrame) -> Run:
         idx = pd.MultiIndex.from_arrays([df["step_id"].to_numpy(), df["replica"].to_numpy()])
         return df[idx.isin(keys)]
 
-    return dataclasses.replace(run, steps=run.steps.iloc[steps["step_row"].to_numpy()], layers=cut(run.layers),
-                               kernels=cut(run.kernels), collectives=cut(run.collectives), _membership_arrow=None)
+    return run.replace(steps=run.steps.iloc[steps["step_row"].to_numpy()], layers=cut(run.layers),
+                       kernels=cut(run.kernels), collectives=cut(_collectives_of(run, steps)))
+
+
+def _collectives_of(run: Run, steps: pd.DataFrame) -> pd.DataFrame:
+    """The collectives of the given steps, read from the bundle by time (the table can be large)."""
+    if run.bundle is None or not len(steps):
+        return run.collectives
+    import pyarrow.dataset as ds
+
+    s = run.steps.iloc[steps["step_row"].to_numpy()]
+    lo, hi = int(s["start_ns"].min()), int(s["end_ns"].max())
+    return run.bundle.df("collectives", filter=(ds.field("start_ns") >= lo) & (ds.field("start_ns") <= hi))
 
 
 # ---- steps over the run --------------------------------------------------------------------------
