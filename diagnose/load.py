@@ -110,7 +110,8 @@ class Run:
         if self.bundle is None:
             df = frame(schema.TABLES[name].empty_table())
         else:
-            skip = _LISTS if name == "steps" else _V2 if name == "requests" else ()
+            skip = _LISTS if name == "steps" else () if name != "requests" else \
+                tuple(STORED_COLUMNS) if self._stored_ok else _V2  # stored: breakdown reads them
             try:
                 df = self.bundle.df(name, skip=skip, filter=self._filter(name))
             except BundleError as e:

@@ -198,7 +198,7 @@ def request_breakdown(run: Tables) -> pd.DataFrame:
     ttft_c = _window(n, pre, mem, start, start + ttft, first_tok_engine)
     e2e_c = _window(n, pre, mem, start, start + e2e, fin_engine)
     decode_c = _window(n, pre, mem, start + ttft, start + e2e, fin_engine)
-    rec = r[TTFT_COLUMNS].to_numpy(np.float64)
+    rec = r.reindex(columns=TTFT_COLUMNS).to_numpy(np.float64)  # absent: none recorded
     has_rec = ~np.isnan(rec).any(axis=1)
     ttft_rows = np.c_[ttft_c, ttft - ttft_c.sum(axis=1)]
     ttft_rows[has_rec] = _with_recorded(rec[has_rec], ttft_c[has_rec])
@@ -214,8 +214,7 @@ def request_breakdown(run: Tables) -> pd.DataFrame:
             cols[col(metric, layer)] = comps[:, j]
         cols[f"{metric}_residual_s"] = resid
     cols.update(_decode(run, mem, si, ntok, first_tok_engine, r["num_output_tokens"].to_numpy(np.float64), n))
-    out = pd.concat([out, pd.DataFrame(cols)], axis=1)
-    out["ttft_recorded"] = has_rec
+    out = pd.DataFrame({**{c: out[c].to_numpy() for c in out.columns}, **cols, "ttft_recorded": has_rec}, copy=False)
     return _finish(out)
 
 
@@ -281,7 +280,7 @@ def stored_breakdown(run: Tables) -> pd.DataFrame:
         out[c] = r[c].to_numpy(np.float64) if c not in DECODE_COLUMNS[:2] else \
             np.nan_to_num(r[c].to_numpy(np.float64)).astype(np.int64)
     out["ttft_recorded"] = ~r[TTFT_COLUMNS].isna().any(axis=1).to_numpy()
-    return _finish(pd.DataFrame(out))
+    return _finish(pd.DataFrame(out, copy=False))
 
 
 def _with_recorded(rec: np.ndarray, derived: np.ndarray) -> np.ndarray:
