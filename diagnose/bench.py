@@ -7,7 +7,8 @@ Generates the bundle (``diagnose.synth``; more than 25,000 requests are written 
 simulated segment) and prints the generator's time, the bundle's size (requests, steps, step
 memberships, collectives, bytes on disk), then runs ``layerscope diagnose RUN --json`` (and with
 --compare ``diagnose BASELINE CANDIDATE --json``) as a child process and prints its wall time
-(process start included) and its peak resident memory (``os.wait4``'s ru_maxrss of that child).
+(process start included), CPU time (user + system: less sensitive to a shared machine's load) and
+its peak resident memory (``os.wait4``'s ru_maxrss of that child).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _counts(path: Path) -> dict[str, int]:
     return out
 
 
-def timed_child(argv: list[str]) -> tuple[float, float, str]:
-    """Run ``argv``; (wall seconds, peak RSS in MB, stdout). Raises on a non-zero exit."""
+def timed_child(argv: list[str]) -> tuple[float, float, float, str]:
+    """Run ``argv``; (wall seconds, CPU seconds, peak RSS in MB, stdout). Raises on a non-zero exit."""
     t = time.perf_counter()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         p = subprocess.Popen(argv, stdout=out, stderr=err)
@@ -58,7 +59,7 @@ def timed_child(argv: list[str]) -> tuple[float, float, str]:
         text = out.read().decode()
         if p.returncode:
             raise RuntimeError(f"{' '.join(argv)} exited {p.returncode}: {err.read().decode()[-2000:]}")
-    return wall, usage.ru_maxrss / 1024, text
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,19 +84,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['layers']:,} layer rows, {c['kernels']:,} kernel events, {c['collectives']:,} collectives, "
               f"{_size(a) / 1e6:.1f} MB; generated in {gen_s:.1f} s")
         cli = [sys.executable, "-m", "layerscope", "diagnose"]
-        wall, rss, out = timed_child([*cli, str(a), "--json"])
+        wall, cpu, rss, out = timed_child([*cli, str(a), "--json"])
         ok = wall < limit and rss < 2048
-        print(f"diagnose RUN --json: {wall:.2f} s, peak RSS {rss:,.0f} MB ({len(out) / 1e3:.0f} kB of JSON)  "
+        print(f"diagnose RUN --json: {wall:.2f} s ({cpu:.2f} s CPU), peak RSS {rss:,.0f} MB "
+              f"({len(out) / 1e3:.0f} kB of JSON)  "
               f"target < {limit:g} s, < 2048 MB: {'ok' if ok else 'MISSED'}")
         if args.compare:
             t = time.perf_counter()
             b = generate(SynthSpec(**{**spec.__dict__, "noise_seed": 1, "step_overhead_s": 0.001}), root / "b")
             print(f"candidate generated in {time.perf_counter() - t:.1f} s")
-            wall2, rss2, out2 = timed_child([*cli, str(a), str(b), "--json"])
+            wall2, cpu2, rss2, out2 = timed_child([*cli, str(a), str(b), "--json"])
             d = json.loads(out2)
             ok2 = wall2 < 2 * limit and rss2 < 2048
             ok = ok and ok2
-            print(f"diagnose BASELINE CANDIDATE --json: {wall2:.2f} s, peak RSS {rss2:,.0f} MB (verdict "
+            print(f"diagnose BASELINE CANDIDATE --json: {wall2:.2f} s ({cpu2:.2f} s CPU), peak RSS {rss2:,.0f} MB (verdict "
                   f"{d.get('verdict')}, primary {d.get('primary')})  target < {2 * limit:g} s: "
                   f"{'ok' if ok2 else 'MISSED'}")
     finally:

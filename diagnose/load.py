@@ -142,16 +142,17 @@ class Run:
     def _stored_ok(self) -> bool:
         if self.bundle is None or self.bundle.schema_version < 2 or self._replaced:
             return False
-        t = self.bundle.table("requests", ["e2e_s", col("e2e", "engine.queue"), "e2e_residual_s", "num_decode_steps"],
-                              self._filter("requests"))
-        return has_stored(frame(t)) if t.num_rows else False
+        df = self.bundle.df("requests", columns=["e2e_s", col("e2e", "engine.queue"), "e2e_residual_s",
+                                                 "num_decode_steps"], filter=self._filter("requests"), check_unique=False)
+        return has_stored(df) if len(df) else False
 
     def stored_components(self) -> pd.DataFrame | None:
         """What ``breakdown.stored_breakdown`` reads (the stored components and the request fields
         around them), or None when the bundle does not carry them for every request."""
         if self._replaced or not self._stored_ok:
             return None
-        df = frame(self.bundle.table("requests", _STORED_BASE + STORED_COLUMNS, self._filter("requests")))
+        df = self.bundle.df("requests", columns=_STORED_BASE + STORED_COLUMNS, filter=self._filter("requests"),
+                            check_unique=False)  # checked when ``requests`` was read
         return df if has_stored(df) else None
 
     @cached_property

@@ -236,8 +236,7 @@ def request_steps(a: RunAnalysis, row: int, t: dict[str, float] | None = None) -
     """
     run = a.run
     t = t if t is not None else _times(run.requests.iloc[row])
-    m = run.memberships
-    m = m[m["request_row"].to_numpy() == row]
+    m = _memberships_of(run, row)
     s = run.steps.iloc[m["step_row"].to_numpy()]
     arrival_ns = run.requests.iloc[row]["gateway_arrival_ns"]
     if _nan(arrival_ns):
@@ -264,6 +263,32 @@ def request_steps(a: RunAnalysis, row: int, t: dict[str, float] | None = None) -
         "is_profiled": [k in profiled for k in zip(s["step_id"], s["replica"])],
     })
     return out.sort_values("at_s", kind="stable").reset_index(drop=True)
+
+
+def _memberships_of(run: Run, row: int) -> pd.DataFrame:
+    """Request ``row``'s memberships (step_row, request_row, num_tokens). From a bundle, only the
+    steps of its lifetime are read (a 1M-request bundle has ~64M memberships: never built whole)."""
+    if run.bundle is None or "memberships" in run.__dict__ or "steps" in run._replaced:
+        m = run.memberships
+        return m[m["request_row"].to_numpy() == row]
+    import pyarrow.dataset as ds
+
+    from layerscope.probes.breakdown import memberships
+
+    r = run.requests.iloc[row]
+    lo = r["gateway_arrival_ns"] if not _nan(r["gateway_arrival_ns"]) else r["engine_arrival_ns"]
+    ends = [r[c] for c in ("engine_finished_ns", "gateway_finished_ns", "client_done_ns") if not _nan(r[c])]
+    flt = ds.field("start_ns") >= int(lo) if not _nan(lo) else None
+    if ends and flt is not None:
+        flt = flt & (ds.field("start_ns") <= int(max(ends)))
+    sub = run.bundle.table("steps", ["step_id", "replica", "request_ids", "request_num_tokens"], flt)
+    m = memberships(sub, np.asarray([r["request_id"]], dtype=object))
+    m = m[m["request_row"].to_numpy() == 0]
+    idx = pd.MultiIndex.from_arrays([run.steps["step_id"].to_numpy(), run.steps["replica"].to_numpy()])
+    rows = idx.get_indexer(pd.MultiIndex.from_arrays([sub.column("step_id").to_numpy()[m["step_row"].to_numpy()],
+                                                       sub.column("replica").to_numpy()[m["step_row"].to_numpy()]]))
+    return pd.DataFrame({"step_row": rows, "request_row": np.full(len(m), row, np.int64),
+                         "num_tokens": m["num_tokens"].to_numpy()})
 
 
 def _phases(r: pd.Series, t: dict[str, float], steps: pd.DataFrame) -> list[Phase]:

@@ -151,6 +151,56 @@ def table_files(path: Path, name: str, manifest: dict[str, Any]) -> list[Path]:
     return [f]
 
 
+def frame_files(files: list[Path], sch: pa.Schema, version: int = schema.SCHEMA_VERSION,
+                unique: str | None = None, where: Path | None = None) -> pd.DataFrame:
+    """``frame(read_table(files, sch))`` without holding the whole Arrow table: numeric columns are
+    preallocated (int64 unless a row group's statistics count nulls, else float64 with NaN) and
+    filled file by file; other columns (strings, lists) are concatenated Arrow chunks. ``unique``:
+    a column whose values must be unique (BundleError otherwise)."""
+    metas = [_parquet(f, lambda p: pq.ParquetFile(p).metadata) for f in files]
+    n = sum(m.num_rows for m in metas)
+
+    def may_be_null(name: str) -> bool:
+        for m in metas:
+            names = [m.schema.column(i).name for i in range(m.num_columns)]
+            if name not in names:
+                return True
+            i = names.index(name)
+            for g in range(m.num_row_groups):
+                st = m.row_group(g).column(i).statistics
+                if st is None or not st.has_null_count or st.null_count:
+                    return True
+        return False
+
+    arrays: dict[str, Any] = {}
+    for f in sch:
+        if pa.types.is_floating(f.type) or (pa.types.is_integer(f.type) and may_be_null(f.name)):
+            arrays[f.name] = np.empty(n, np.float64)
+        elif pa.types.is_integer(f.type):
+            arrays[f.name] = np.empty(n, np.int64)
+        else:
+            arrays[f.name] = []
+    off = 0
+    for path in files:
+        t = read_table(path, sch, None, None, version)
+        k = t.num_rows
+        for f in sch:
+            a, c = arrays[f.name], t.column(f.name)
+            if isinstance(a, list):
+                a.extend(c.chunks)
+            else:
+                a[off:off + k] = c.to_numpy() if not c.null_count else c.to_numpy().astype(np.float64)
+        off += k
+        del t
+    out = {}
+    for f in sch:
+        a = arrays[f.name]
+        out[f.name] = pa.chunked_array(a, type=f.type).to_pandas() if isinstance(a, list) else a
+    if unique and unique in out and n and out[unique].nunique() != n:
+        raise BundleError(f"{where}: requests.parquet has duplicate request ids")
+    return pd.DataFrame(out, copy=False)
+
+
 class Bundle:
     """A validated run bundle. Tables are read on first use (``table``: Arrow, ``df``: pandas)."""
 
@@ -213,11 +263,18 @@ class Bundle:
         return t
 
     def df(self, name: str, skip: tuple[str, ...] = (), columns: list[str] | None = None,
-           filter: ds.Expression | None = None) -> pd.DataFrame:
-        """The table as a pandas DataFrame (``frame``), without the columns in ``skip`` (or only ``columns``)."""
+           filter: ds.Expression | None = None, check_unique: bool = True) -> pd.DataFrame:
+        """The table as a pandas DataFrame (``frame``), without the columns in ``skip`` (or only ``columns``).
+        Numeric columns are filled file by file into preallocated arrays (no Arrow copy of the whole
+        table alongside: a million requests' columns are held once)."""
         if columns is None and skip:
             columns = [f.name for f in schema.TABLES[name] if f.name not in skip]
-        return frame(self.table(name, columns, filter), skip)
+        if filter is not None or name in self._cache:
+            return frame(self.table(name, columns, filter), skip)
+        sch = schema.TABLES[name]
+        sch = pa.schema([sch.field(c) for c in columns]) if columns is not None else sch
+        return frame_files(self.files(name), sch, self.schema_version,
+                           unique="request_id" if name == "requests" and check_unique else None, where=self.path)
 
     requests = property(lambda self: self.df("requests"))
     steps = property(lambda self: self.df("steps"))
