@@ -58,7 +58,7 @@ class RunAnalysis:
 
     @cached_property
     def collective_ranks(self) -> pd.DataFrame:
-        agg = self.run.collective_ranks()  # aggregated over the Parquet files: never loads the table
+        agg = self.run.collective_ranks()  # Polars over the Parquet files: never loads the table
         return agg if agg is not None else model.collective_ranks(self.run)
 
     @cached_property

@@ -29,8 +29,8 @@ def _size(path: Path) -> int:
 
 
 def _counts(path: Path) -> dict[str, int]:
-    """Rows per table and step memberships, from Parquet metadata and DuckDB (nothing loaded whole)."""
-    import duckdb
+    """Rows per table and step memberships, from Parquet metadata and Polars (nothing loaded whole)."""
+    import polars as pl
     import pyarrow.parquet as pq
 
     from layerscope.probes.reader import read_bundle
@@ -39,10 +39,8 @@ def _counts(path: Path) -> dict[str, int]:
     out = {name: sum(pq.ParquetFile(f).metadata.num_rows for f in b.files(name))
            for name in ("requests", "steps", "layers", "kernels", "collectives")}
     files = [str(f) for f in b.files("steps")]
-    con = duckdb.connect()
-    out["memberships"] = int(con.execute("SELECT coalesce(sum(len(request_ids)), 0) FROM read_parquet(?)",
-                                         [files]).fetchone()[0])
-    con.close()
+    out["memberships"] = int(pl.scan_parquet(files).select(pl.col("request_ids").list.len().sum()).collect().item()
+                             or 0) if files else 0
     return out
 
 

@@ -10,9 +10,11 @@ it into exit code 2).
 Scale: a table is read on first use, with only the columns diagnose uses (requests without
 the stored components, steps without their membership lists); the stored components are read
 by ``stored_components`` (no memberships built), the memberships only for a bundle without them;
-collectives are aggregated by DuckDB over the Parquet files (``collective_ranks``) and never
-loaded whole. ``window=(lo_ns, hi_ns)`` keeps the requests that arrived in it and the steps (and
-rows of steps) that started in it (see ``parse_window``).
+collectives are aggregated by Polars over the Parquet files (``collective_ranks``) and never
+loaded whole (Polars rather than DuckDB: on the 1M-request bundle's 32M collective rows, 0.8 s and
+570 MB peak against DuckDB's 1.7 s and 950 MB; docs/DESIGN.md has the figures).
+``window=(lo_ns, hi_ns)`` keeps the requests that arrived in it and the steps (and rows of
+steps) that started in it (see ``parse_window``).
 
 The manifest handed out has no ``faults`` key: diagnose must find the layer from
 measurements alone, so the injected faults are dropped on load.
@@ -166,7 +168,7 @@ class Run:
         return memberships(steps, self.requests["request_id"].to_numpy())
 
     def collective_ranks(self) -> pd.DataFrame | None:
-        """model.collective_ranks's frame aggregated by DuckDB over the Parquet files (None: no
+        """model.collective_ranks's frame aggregated by Polars over the Parquet files (None: no
         bundle to read, the caller aggregates ``collectives``)."""
         if self.bundle is None or "collectives" in self._replaced:
             return None
@@ -174,19 +176,15 @@ class Run:
         cols = ["replica", "rank", "num_collectives", "duration_s_mean", "wait_s_mean", "wait_share"]
         if not files:
             return pd.DataFrame(columns=cols)
-        import duckdb
+        import polars as pl
 
-        where = ""
+        lf = pl.scan_parquet(files)
         if self.window is not None:
-            where = f"WHERE start_ns BETWEEN {int(self.window[0])} AND {int(self.window[1])}"
-        con = duckdb.connect()
-        try:
-            df = con.execute(
-                f"SELECT replica, rank, count(*) AS num_collectives, avg(duration_s) AS duration_s_mean, "
-                f"avg(wait_s) AS wait_s_mean FROM read_parquet(?, union_by_name=true) {where} "
-                f"GROUP BY replica, rank ORDER BY replica, rank", [files]).df()
-        finally:
-            con.close()
+            lf = lf.filter(pl.col("start_ns").is_between(int(self.window[0]), int(self.window[1])))
+        df = (lf.group_by(["replica", "rank"])
+              .agg(pl.len().alias("num_collectives"), pl.col("duration_s").mean().alias("duration_s_mean"),
+                   pl.col("wait_s").mean().alias("wait_s_mean"))
+              .sort(["replica", "rank"]).collect().to_pandas())
         if df.empty:
             return pd.DataFrame(columns=cols)
         for c in ("replica", "rank", "num_collectives"):

@@ -13,7 +13,7 @@ Two layouts (DESIGN.md, "The run bundle"): a table is one file ``T.parquet``, or
 complete; a higher-numbered part (a crash between two tables' parts) is ignored. A bundle whose
 manifest says ``complete: false`` loads up to its last complete part and ``Bundle.note`` says so.
 Columns added by a later schema version read as null from an older bundle (``schema.ADDED``).
-``files(name)`` lists a table's files for a columnar engine (diagnose's DuckDB aggregates);
+``files(name)`` lists a table's files for a columnar engine (diagnose's Polars aggregates);
 ``table(name, columns=..., filter=...)`` reads only those columns and rows (pyarrow.dataset).
 """
 

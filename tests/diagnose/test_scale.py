@@ -3,7 +3,7 @@
 * a bundle whose requests carry every component (schema version 2) is diagnosed from them, with
   no step memberships built, and the result equals what request_breakdown derives from the steps;
 * an old bundle (no stored components) is derived as before;
-* collectives are aggregated by DuckDB and agree with the pandas aggregation;
+* collectives are aggregated by Polars and agree with the pandas aggregation;
 * ``--window`` / ``--last`` keep the requests that arrived in the window;
 * ``diagnose RUN --follow`` re-prints the report as parts appear and stops at ``complete``.
 """
@@ -68,7 +68,7 @@ def test_requests_table_is_projected(synth):
     assert "collectives" not in run._frames
 
 
-def test_duckdb_collective_ranks_equal_pandas(synth):
+def test_polars_collective_ranks_equal_pandas(synth):
     run = load_run(synth(tp_size=2, collective_delay_s=0.0002))
     agg = run.collective_ranks()
     ref = model.collective_ranks(load_run(run.path))
