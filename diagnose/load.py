@@ -153,8 +153,10 @@ class Run:
         around them), or None when the bundle does not carry them for every request."""
         if self._replaced or not self._stored_ok:
             return None
-        df = self.bundle.df("requests", columns=_STORED_BASE + STORED_COLUMNS, filter=self._filter("requests"),
-                            check_unique=False)  # checked when ``requests`` was read
+        stored = self.bundle.df("requests", columns=STORED_COLUMNS, filter=self._filter("requests"),
+                                check_unique=False)  # the rest is ``requests`` (shared, not copied)
+        r = self.requests
+        df = pd.DataFrame({**{c: r[c] for c in _STORED_BASE}, **{c: stored[c] for c in STORED_COLUMNS}}, copy=False)
         return df if has_stored(df) else None
 
     @cached_property
@@ -184,7 +186,7 @@ class Run:
         df = (lf.group_by(["replica", "rank"])
               .agg(pl.len().alias("num_collectives"), pl.col("duration_s").mean().alias("duration_s_mean"),
                    pl.col("wait_s").mean().alias("wait_s_mean"))
-              .sort(["replica", "rank"]).collect().to_pandas())
+              .sort(["replica", "rank"]).collect(engine="streaming").to_pandas())
         if df.empty:
             return pd.DataFrame(columns=cols)
         for c in ("replica", "rank", "num_collectives"):
