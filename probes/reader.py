@@ -89,7 +89,8 @@ def _parquet(path: Path, read):
         raise BundleError(f"{path}: corrupt or truncated Parquet file ({e})") from None
 
 
-def _check_parquet(path: Path, sch: pa.Schema, version: int = schema.SCHEMA_VERSION) -> None:
+def _check_parquet(path: Path, sch: pa.Schema, version: int = schema.SCHEMA_VERSION) -> pa.Schema:
+    """The file's schema, checked against ``sch``."""
     got = _parquet(path, pq.read_schema)
     for f in sch:
         if f.name not in got.names:
@@ -98,6 +99,7 @@ def _check_parquet(path: Path, sch: pa.Schema, version: int = schema.SCHEMA_VERS
             raise BundleError(f"{path}: column {f.name!r} is missing")
         if not got.field(f.name).type.equals(f.type) and got.field(f.name).type != pa.null():
             raise BundleError(f"{path}: column {f.name!r} is {got.field(f.name).type}, expected {f.type}")
+    return got
 
 
 def read_table(path: Path | list[Path], sch: pa.Schema, columns: list[str] | None = None,
@@ -109,8 +111,7 @@ def read_table(path: Path | list[Path], sch: pa.Schema, columns: list[str] | Non
     sch = pa.schema([sch.field(c) for c in columns]) if columns is not None else sch
     pieces = []
     for p in paths:
-        _check_parquet(p, sch, version)
-        got = _parquet(p, pq.read_schema)
+        got = _check_parquet(p, sch, version)
         names = [f.name for f in sch if f.name in got.names]
         if filter is None:
             t = _parquet(p, lambda q: pq.read_table(q, columns=names))
@@ -160,12 +161,13 @@ def frame_files(files: list[Path], sch: pa.Schema, version: int = schema.SCHEMA_
     metas = [_parquet(f, lambda p: pq.ParquetFile(p).metadata) for f in files]
     n = sum(m.num_rows for m in metas)
 
+    index = [{m.schema.column(i).path: i for i in range(m.num_columns)} for m in metas]
+
     def may_be_null(name: str) -> bool:
-        for m in metas:
-            names = [m.schema.column(i).name for i in range(m.num_columns)]
+        for m, names in zip(metas, index):
             if name not in names:
                 return True
-            i = names.index(name)
+            i = names[name]
             for g in range(m.num_row_groups):
                 st = m.row_group(g).column(i).statistics
                 if st is None or not st.has_null_count or st.null_count:
