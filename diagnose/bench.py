@@ -8,7 +8,7 @@ simulated segment) and prints the generator's time, the bundle's size (requests,
 memberships, collectives, bytes on disk), then runs ``layerscope diagnose RUN --json`` (and with
 --compare ``diagnose BASELINE CANDIDATE --json``) as a child process and prints its wall time
 (process start included), CPU time (user + system: less sensitive to a shared machine's load) and
-its peak resident memory (``os.wait4``'s ru_maxrss of that child).
+its peak resident memory (the child's VmHWM, written by it at exit).
 """
 
 from __future__ import annotations
@@ -44,11 +44,25 @@ def _counts(path: Path) -> dict[str, int]:
     return out
 
 
+# the child writes its own peak RSS (VmHWM of its address space) at exit: ru_maxrss from wait4 would
+# include the parent's (this process holds the generated bundle) as inherited at fork/exec
+_CHILD = ("import atexit, sys\n"
+          "_out = sys.argv[1]\n"
+          "def _hwm():\n"
+          "    kb = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')]\n"
+          "    open(_out, 'w').write(kb[0] if kb else '')\n"
+          "atexit.register(_hwm)\n"
+          "from layerscope.cli import main\n"
+          "sys.exit(main(sys.argv[2:]))\n")
+
+
 def timed_child(argv: list[str]) -> tuple[float, float, float, str]:
-    """Run ``argv``; (wall seconds, CPU seconds, peak RSS in MB, stdout). Raises on a non-zero exit."""
+    """Run ``layerscope *argv`` in a child; (wall seconds, CPU seconds, peak RSS in MB, stdout).
+    Raises on a non-zero exit."""
     t = time.perf_counter()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.Popen(argv, stdout=out, stderr=err)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile(suffix=".hwm") as hwm:
+        p = subprocess.Popen([sys.executable, "-c", _CHILD, hwm.name, *argv], stdout=out, stderr=err)
         _, status, usage = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t
         p.returncode = os.waitstatus_to_exitcode(status)
@@ -56,8 +70,10 @@ def timed_child(argv: list[str]) -> tuple[float, float, float, str]:
         err.seek(0)
         text = out.read().decode()
         if p.returncode:
-            raise RuntimeError(f"{' '.join(argv)} exited {p.returncode}: {err.read().decode()[-2000:]}")
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, text
+            raise RuntimeError(f"layerscope {' '.join(argv)} exited {p.returncode}: {err.read().decode()[-2000:]}")
+        kb = Path(hwm.name).read_text().strip()
+    rss = int(kb) / 1024 if kb else usage.ru_maxrss / 1024
+    return wall, usage.ru_utime + usage.ru_stime, rss, text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bundle {a}: {c['requests']:,} requests, {c['steps']:,} steps, {c['memberships']:,} step memberships, "
               f"{c['layers']:,} layer rows, {c['kernels']:,} kernel events, {c['collectives']:,} collectives, "
               f"{_size(a) / 1e6:.1f} MB; generated in {gen_s:.1f} s")
-        cli = [sys.executable, "-m", "layerscope", "diagnose"]
+        cli = ["diagnose"]
         wall, cpu, rss, out = timed_child([*cli, str(a), "--json"])
         ok = (limit is None or wall < limit) and rss < 2048
         target = f"target < {limit:g} s, < 2048 MB" if limit else "target < 2048 MB"
