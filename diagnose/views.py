@@ -10,6 +10,10 @@ DataFrames and dataclasses. Headless: no textual import; the TUI only renders th
 * ``step_series(a)``: per step over the run (step time, batch, KV usage, waiting queue)
 * ``find_runs(folder)``: run bundles under a folder (manifest only)
 
+A request's detail reads only the steps of its lifetime from the bundle (``_memberships_of``):
+a million-request bundle's memberships are never built whole. (Over 400 lines: every view the
+TUI renders is here, so the TUI stays rendering-only.)
+
 Durations in seconds; ``*_at_s`` / ``start_s`` offsets are seconds from the request's
 server-side arrival (gateway arrival, else engine arrival).
 """
