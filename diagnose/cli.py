@@ -25,6 +25,14 @@ def add_parser(sub) -> None:
     p.add_argument("--slo-tpot", type=float, metavar="S", help="TPOT SLO for goodput, seconds")
     p.add_argument("--slo-e2e", type=float, metavar="S", help="E2E SLO for goodput, seconds")
     p.add_argument("--top", type=int, default=10, help="slowest requests / top kernels to list")
+    p.add_argument("--window", metavar="FROM..TO",
+                   help="only requests that arrived (and steps that started) in this wall-clock window, e.g. "
+                        "14:00..14:30 (the run's time zone; or ISO date-times)")
+    p.add_argument("--last", metavar="DURATION", help="only the last DURATION of data, e.g. 30m, 2h, 90s")
+    p.add_argument("--follow", action="store_true",
+                   help="one run still recording: re-print the report as new parts appear; stops when the "
+                        "bundle is complete (or on Ctrl-C)")
+    p.add_argument("--interval", type=float, default=5.0, metavar="S", help="--follow: seconds between checks")
     p.set_defaults(func=cmd_diagnose)
 
     p = sub.add_parser("config-diff", help="config, version and environment diff of two runs or config files")
@@ -41,12 +49,36 @@ def _slo(args: argparse.Namespace) -> dict[str, float] | None:
     return slo or None
 
 
+def _load(path: str, args: argparse.Namespace):
+    """The run at ``path`` cut to --window/--last; a bundle still recording or cut short is said on stderr."""
+    from layerscope.diagnose.load import load_run, parse_window
+    from layerscope.probes.reader import BundleError, read_manifest
+
+    try:
+        window = parse_window(read_manifest(path), args.window, args.last) if (args.window or args.last) else None
+    except BundleError as e:
+        raise RunError(str(e)) from None
+    run = load_run(path, window)
+    if run.note:
+        print(f"layerscope: {path}: {run.note}", file=sys.stderr)
+    if window is not None and not len(run.requests):
+        raise RunError(f"{path}: no requests in the window ({args.window or ''}{' ' if args.window and args.last else ''}"
+                       f"{'last ' + args.last if args.last else ''}); the data runs from the manifest's start_time "
+                       f"{run.manifest.get('start_time')!r} for {run.manifest.get('summary', {}).get('duration_s')} s")
+    return run
+
+
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from layerscope.diagnose import render
 
     if len(args.runs) > 2:
         print("layerscope diagnose: give one run, or a baseline and a candidate", file=sys.stderr)
         return 2
+    if args.follow and len(args.runs) != 1:
+        print("layerscope diagnose: --follow takes one run", file=sys.stderr)
+        return 2
+    if args.follow:
+        return _follow(args)
     from layerscope.diagnose.external.run import is_external
 
     if any(is_external(r) for r in args.runs):  # vLLM/SGLang/bench bundles: docs/external.md
@@ -57,18 +89,53 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         if len(args.runs) == 1:
             from layerscope.diagnose.report import summarize
 
-            result = summarize(args.runs[0], _slo(args), args.top)
+            result = summarize(_load(args.runs[0], args), _slo(args), args.top)
             blocks = None if args.json else render.single_lines(result)
         else:
             from layerscope.diagnose.comparison import compare
 
-            result = compare(args.runs[0], args.runs[1], slo=_slo(args)).diagnosis
+            result = compare(_load(args.runs[0], args), _load(args.runs[1], args), slo=_slo(args)).diagnosis
             blocks = None if args.json else render.comparison_lines(result)
     except RunError as e:
         print(f"layerscope: error: {e}", file=sys.stderr)
         return 2
     _emit(args, result, blocks)
     return 0
+
+
+def _follow(args: argparse.Namespace) -> int:
+    """Print the single-run report, then again each time the manifest's ``parts`` grows; stop once the
+    bundle is complete (after its final report) or on Ctrl-C."""
+    import time
+
+    from layerscope.diagnose import render
+    from layerscope.diagnose.report import summarize
+    from layerscope.probes.reader import BundleError, read_manifest
+
+    path, seen = args.runs[0], None
+    try:
+        while True:
+            try:
+                m = read_manifest(path)
+            except BundleError as e:
+                print(f"layerscope: error: {e}", file=sys.stderr)
+                return 2
+            key = (m.get("parts"), bool(m.get("complete", True)))
+            if key != seen:
+                seen = key
+                if m.get("parts") != 0:  # nothing written yet: wait for the first part
+                    try:
+                        result = summarize(_load(path, args), _slo(args), args.top)
+                    except RunError as e:
+                        print(f"layerscope: error: {e}", file=sys.stderr)
+                        return 2
+                    _emit(args, result, None if args.json else render.single_lines(result))
+                    sys.stdout.flush()
+                if key[1]:
+                    return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
 
 
 def cmd_config_diff(args: argparse.Namespace) -> int:

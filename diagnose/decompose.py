@@ -1,7 +1,7 @@
 """Per-request latency decomposition into the layers of DESIGN.md's taxonomy, and analyses on it.
 
 The decomposition itself is ``layerscope.probes.breakdown.request_breakdown``: one function, which
-the bundle writer also calls to store the recorded TTFT components, so diagnose and probes cannot
+the bundle writer also calls to store every per-request component (``breakdown`` reads them back), so diagnose and probes cannot
 disagree (its docstring states the gap rules). This module re-exports it and adds what diagnose
 builds on top: where the time goes (``time_shares``), the decode phase's composition
 (``tpot_breakdown``) and step time by batch composition (``step_composition``).
@@ -9,13 +9,17 @@ builds on top: where the time goes (``time_shares``), the decode phase's composi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pandas as pd
 
 from layerscope.diagnose.load import Run
-from layerscope.probes.breakdown import COMPONENTS, col, origin_ns, request_breakdown, seconds, step_frame
 
-__all__ = ["COMPONENTS", "col", "request_breakdown", "step_frame", "time_shares", "tpot_breakdown",
+from layerscope.probes.breakdown import COMPONENTS, col, request_breakdown, step_frame, stored_breakdown
+from layerscope.probes.schema import DECODE_COLUMNS
+
+__all__ = ["COMPONENTS", "breakdown", "col", "request_breakdown", "step_frame", "time_shares", "tpot_breakdown",
            "step_composition"]
 
 
@@ -35,6 +39,16 @@ def time_shares(breakdown: pd.DataFrame, metric: str = "e2e") -> pd.DataFrame:
     return df
 
 
+def breakdown(run: Run) -> pd.DataFrame:
+    """``request_breakdown``'s frame: read from the components the writer stored (schema version 2,
+    ``breakdown.stored_breakdown``; no step memberships are built) or, for a bundle without them,
+    derived by ``request_breakdown`` from the steps' memberships."""
+    stored = run.stored_components()
+    if stored is not None:
+        return stored_breakdown(SimpleNamespace(requests=stored, steps=run.steps))
+    return request_breakdown(run)
+
+
 def tpot_breakdown(run: Run, breakdown: pd.DataFrame | None = None) -> pd.DataFrame:
     """Decode-phase composition per request (seconds per output token after the first).
 
@@ -42,42 +56,12 @@ def tpot_breakdown(run: Run, breakdown: pd.DataFrame | None = None) -> pd.DataFr
     carried prefill chunks), mean_batch_seqs, tpot_step_s (its decode steps' time),
     tpot_prefill_interference_s (the prefill-token share of those steps' time),
     tpot_stall_s (engine.queue + engine.kv in the decode window: not scheduled/preempted).
+    The per-request figures are ``request_breakdown``'s (schema.DECODE_COLUMNS).
     """
     bd = breakdown if breakdown is not None else request_breakdown(run)
-    m = run.memberships
-    m = m[m["request_row"].to_numpy() >= 0]
-    s = run.steps
-    origin = origin_ns(run)
-    t0 = seconds(s["start_ns"], origin)[m["step_row"].to_numpy()]
-    ri = m["request_row"].to_numpy()
-    r = run.requests
-    arr = seconds(np.where(r["gateway_arrival_ns"].isna(), r["engine_arrival_ns"], r["gateway_arrival_ns"]), origin)
-    first = np.where(r["engine_first_token_ns"].isna(), arr + bd["ttft_s"].to_numpy(),
-                     seconds(r["engine_first_token_ns"], origin))
-    is_decode = (t0 >= first[ri]) & (m["num_tokens"].to_numpy() == 1)
-    si = m["step_row"].to_numpy()[is_decode]
-    rd = ri[is_decode]
-    step_s = np.nan_to_num(s["step_s"].to_numpy(np.float64))[si]
-    ptok = np.nan_to_num(s["num_prefill_tokens"].to_numpy(np.float64))[si]
-    btok = np.nan_to_num(s["num_batched_tokens"].to_numpy(np.float64))[si]
-    seqs = np.nan_to_num((s["num_prefill_seqs"] + s["num_decode_seqs"]).to_numpy(np.float64))[si]
-    n = len(bd)
-    cnt = np.bincount(rd, minlength=n).astype(float)
-    mixed = np.bincount(rd, weights=(ptok > 0).astype(float), minlength=n)
-    denom = np.where(bd["num_output_tokens"].to_numpy(np.float64) > 1, bd["num_output_tokens"].to_numpy(np.float64) - 1,
-                     np.nan)
-    interference = np.bincount(rd, weights=step_s * np.where(btok > 0, ptok / np.where(btok > 0, btok, 1), 0),
-                               minlength=n)
-    return pd.DataFrame({
-        "request_id": bd["request_id"].to_numpy(),
-        "tpot_s": bd["tpot_s"].to_numpy(),
-        "num_decode_steps": cnt.astype(np.int64),
-        "num_mixed_steps": mixed.astype(np.int64),
-        "mean_batch_seqs": np.bincount(rd, weights=seqs, minlength=n) / np.where(cnt > 0, cnt, np.nan),
-        "tpot_step_s": np.bincount(rd, weights=step_s, minlength=n) / denom,
-        "tpot_prefill_interference_s": interference / denom,
-        "tpot_stall_s": (bd[col("tpot", "engine.queue")] + bd[col("tpot", "engine.kv")]).to_numpy(),
-    })
+    out = bd[["request_id", "tpot_s", *DECODE_COLUMNS]].reset_index(drop=True)
+    out["tpot_stall_s"] = (bd[col("tpot", "engine.queue")] + bd[col("tpot", "engine.kv")]).to_numpy()
+    return out
 
 
 def step_composition(run: Run) -> pd.DataFrame:
@@ -87,16 +71,16 @@ def step_composition(run: Run) -> pd.DataFrame:
     num_batched_tokens_mean, num_seqs_mean.
     """
     s = run.steps
-    pre = s["num_prefill_tokens"].fillna(0) > 0
-    dec = s["num_decode_tokens"].fillna(0) > 0
-    kind = np.where(pre & dec, "mixed", np.where(pre, "prefill_only", "decode_only"))
-    df = pd.DataFrame({"kind": kind, "step_s": s["step_s"], "schedule_s": s["schedule_s"] + s["prepare_s"].fillna(0),
+    pre = s["num_prefill_tokens"].fillna(0).to_numpy() > 0
+    dec = s["num_decode_tokens"].fillna(0).to_numpy() > 0
+    kinds = np.array(["prefill_only", "mixed", "decode_only"], dtype=object)
+    code = np.where(pre & dec, 1, np.where(pre, 0, 2))  # integer groups: 2M steps group in milliseconds
+    df = pd.DataFrame({"step_s": s["step_s"], "schedule_s": s["schedule_s"] + s["prepare_s"].fillna(0),
                        "forward_s": s["forward_s"], "output_s": s["output_s"],
                        "num_batched_tokens": s["num_batched_tokens"],
                        "num_seqs": s["num_prefill_seqs"] + s["num_decode_seqs"]})
-    g = df.groupby("kind", sort=False)
+    g = df.groupby(code, sort=True)
     out = g.mean(numeric_only=True).add_suffix("_mean")
     out.insert(0, "num_steps", g.size())
-    out = out.reset_index()
-    order = {"prefill_only": 0, "mixed": 1, "decode_only": 2}
-    return out.sort_values("kind", key=lambda k: k.map(order)).reset_index(drop=True)
+    out.insert(0, "kind", kinds[out.index.to_numpy()])
+    return out.reset_index(drop=True)

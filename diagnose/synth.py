@@ -12,6 +12,14 @@ The scheduler mirrors the engine's: running requests first (decodes and prefill
 chunks, preempting the newest on KV exhaustion), then waiting ones FCFS within
 ``max_num_seqs``, the token budget and free KV blocks. Durations in seconds.
 
+Requests carry every stored component (schema version 2), computed by
+``probes/breakdown.request_breakdown`` over the simulated tables as the bundle writer does. Scale:
+the simulator is a per-step Python loop (~1 s per 1,000 requests here), so a bundle of more than
+``segment_requests`` requests simulates one segment of that many and writes the bundle in the
+rolling layout (DESIGN.md, "The run bundle"): part k is the segment shifted in time by k segment
+spans (request ids, step ids and timestamps renumbered; kernels only in part 1), so 1M requests
+take about a minute. The segment's traffic repeats; its components are exact for every copy.
+
 (Over 400 lines: the simulator and the writer of its tables are kept together so one
 file shows exactly what each column of a synthetic bundle means.)
 """
@@ -21,17 +29,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from layerscope.diagnose.config_diff import CONFIG_DEFAULTS
 from layerscope.probes import schema
+from layerscope.probes.breakdown import STORED_COLUMNS, memberships, request_breakdown
+from layerscope.probes.reader import PART_NAME, frame
 
 ORIGIN_NS = 10**12
 
@@ -100,10 +113,20 @@ class SynthSpec:
     layer_timing_interval: int = 16
     profile_windows: int = 2  # kernel profiler windows of 4 steps each (0: none)
     hardware_name: str = "synthetic-cpu"
+    # scale: more requests than this are written as parts, copies of one simulated segment
+    segment_requests: int = 25_000
 
 
 def generate(spec: SynthSpec, out: str | Path, run_id: str | None = None) -> Path:
-    """Simulate ``spec`` and write a run bundle at ``out``; returns the path."""
+    """Simulate ``spec`` and write a run bundle at ``out``; returns the path. More than
+    ``spec.segment_requests`` requests: one segment simulated, written as parts (module docstring)."""
+    if spec.num_requests > spec.segment_requests > 0:
+        seg = dataclasses.replace(spec, num_requests=spec.segment_requests)
+        return _tile(spec, _simulate_all(seg), out, run_id or f"synth-{spec.seed}")
+    return _write(spec, out, run_id or f"synth-{spec.seed}", *_simulate_all(spec))
+
+
+def _simulate_all(spec: SynthSpec) -> tuple:
     reqs = _make_requests(spec, np.random.default_rng(spec.seed))
     rng = np.random.default_rng(spec.seed if spec.noise_seed is None else spec.noise_seed + 7919)
     run_factor = float(np.exp(rng.normal(0, spec.run_noise))) if spec.run_noise else 1.0
@@ -117,7 +140,7 @@ def generate(spec: SynthSpec, out: str | Path, run_id: str | None = None) -> Pat
         mine = [r for r in reqs if r["replica"] == replica]
         mine.sort(key=lambda r: r["engine_arrival"])
         _simulate(spec, mine, replica, rng, run_factor, steps, layer_rows, kernel_rows, coll_rows, step_counter)
-    return _write(spec, out, run_id or f"synth-{spec.seed}", reqs, steps, layer_rows, kernel_rows, coll_rows)
+    return reqs, steps, layer_rows, kernel_rows, coll_rows
 
 
 # ---- workload + front end ------------------------------------------------------------
@@ -351,6 +374,14 @@ def _ns(x: float | None) -> int | None:
 def _write(spec, out, run_id, reqs, steps, layer_rows, kernel_rows, coll_rows) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for name, table in _tables(spec, reqs, steps, layer_rows, kernel_rows, coll_rows).items():
+        pq.write_table(table, out / f"{name}.parquet")
+    ends = [r["finished"] for r in reqs if r["finished"] is not None]
+    _write_manifest(spec, out, run_id, len(reqs), _ns(max(ends) if ends else 0.0))
+    return out
+
+
+def _tables(spec, reqs, steps, layer_rows, kernel_rows, coll_rows) -> dict[str, pa.Table]:
     gw = spec.gateway
     rq: dict[str, list] = {f.name: [] for f in schema.REQUESTS}
     for r in reqs:
@@ -381,19 +412,35 @@ def _write(spec, out, run_id, reqs, steps, layer_rows, kernel_rows, coll_rows) -
             preempted_s=r["preempted_s"], trace_id=None)
         for f in schema.REQUESTS:
             rq[f.name].append(vals.get(f.name))
-    pq.write_table(pa.Table.from_pydict(rq, schema=schema.REQUESTS), out / "requests.parquet")
+    requests = pa.Table.from_pydict(rq, schema=schema.REQUESTS)
     st = {f.name: [s.get(f.name) for s in steps] for f in schema.STEPS}
     st["start_ns"] = [_ns(s["start"]) for s in steps]
     st["end_ns"] = [_ns(s["end"]) for s in steps]
-    pq.write_table(pa.Table.from_pydict(st, schema=schema.STEPS), out / "steps.parquet")
-    _write_rows(out / "layers.parquet", schema.LAYER_TIMES, layer_rows)
+    steps_t = pa.Table.from_pydict(st, schema=schema.STEPS)
     kernel_rows = [(w, s, rep, n, c, ORIGIN_NS + t, d, g) for (w, s, rep, n, c, t, d, g) in kernel_rows]
-    _write_rows(out / "kernels.parquet", schema.KERNELS, kernel_rows)
     coll_rows = [(s, rep, rank, op, n, b, ORIGIN_NS + t, d, w) for (s, rep, rank, op, n, b, t, d, w) in coll_rows]
-    _write_rows(out / "collectives.parquet", schema.COLLECTIVES, coll_rows)
     spans = [(None, f"kv-{r['request_id']}-{i}", None, "preempted", "engine.kv", r["request_id"], _ns(p0), _ns(p1),
               "{}") for r in reqs for i, (p0, p1) in enumerate(r["preempted"])]
-    _write_rows(out / "spans.parquet", schema.SPANS, spans)
+    spans_t = _rows_table(schema.SPANS, spans)
+    return {"requests": _with_components(requests, steps_t, spans_t), "steps": steps_t,
+            "layers": _rows_table(schema.LAYER_TIMES, layer_rows), "kernels": _rows_table(schema.KERNELS, kernel_rows),
+            "collectives": _rows_table(schema.COLLECTIVES, coll_rows), "spans": spans_t}
+
+
+def _with_components(requests: pa.Table, steps: pa.Table, spans: pa.Table) -> pa.Table:
+    """``requests`` with every stored component (STORED_COLUMNS), as the bundle writer computes them."""
+    rq = frame(requests)
+    tables = SimpleNamespace(requests=rq, steps=frame(steps, skip=("request_ids", "request_num_tokens")),
+                             spans=frame(spans), memberships=memberships(steps, rq["request_id"].to_numpy()))
+    bd = request_breakdown(tables)
+    for c in STORED_COLUMNS:
+        f = schema.REQUESTS.field(c)
+        requests = requests.set_column(requests.schema.get_field_index(c), f,
+                                       pa.array(bd[c].to_numpy(), type=f.type, from_pandas=True))
+    return requests
+
+
+def _write_manifest(spec, out: Path, run_id: str, num_requests: int, end_ns: int, **extra: Any) -> None:
     config = dict(CONFIG_DEFAULTS, max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                   num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
                   enable_chunked_prefill=spec.enable_chunked_prefill,
@@ -411,7 +458,6 @@ def _write(spec, out, run_id, reqs, steps, layer_rows, kernel_rows, coll_rows) -
                 "arrival_rate_per_s": spec.arrival_rate_per_s, "burstiness_cv": spec.burstiness_cv,
                 "prompt_tokens_mean": spec.prompt_tokens_mean, "output_tokens_mean": spec.output_tokens_mean,
                 "prefix_share": spec.prefix_share, "prefix_tokens": spec.prefix_tokens} if spec.record_workload_spec else {}
-    ends = [r["finished"] for r in reqs if r["finished"] is not None]
     manifest = {
         "format": schema.BUNDLE_FORMAT, "schema_version": schema.SCHEMA_VERSION, "run_id": run_id, "command": argv,
         "config": nested,
@@ -425,15 +471,16 @@ def _write(spec, out, run_id, reqs, steps, layer_rows, kernel_rows, coll_rows) -
         "versions": {"layerscope": "0.1.0", "git_rev": "synthetic", "python": "3.11", "torch": None},
         "hardware": {"cpu": spec.hardware_name, "cores": 2, "gpu": None},
         "probes": "default",
-        "start_ns": ORIGIN_NS, "end_ns": _ns(max(ends) if ends else 0.0), "start_time": "1970-01-01T00:00:00Z",
-        "summary": {"requests": len(reqs)},
+        "start_ns": ORIGIN_NS, "end_ns": end_ns, "start_time": "1970-01-01T00:00:00+00:00",
+        "summary": {"requests": num_requests}, **extra,
     }
     (out / "metrics.prom").write_text("")
     (out / "traces").mkdir(exist_ok=True)
     if spec.outside_cpu_cores is not None:
         manifest["machine"] = _machine(spec, out, manifest["end_ns"] - ORIGIN_NS)
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return out
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out / "manifest.json")
 
 
 def _machine(spec: SynthSpec, out: Path, duration_ns: int) -> dict[str, Any]:
@@ -457,6 +504,65 @@ def _machine(spec: SynthSpec, out: Path, duration_ns: int) -> dict[str, Any]:
             "cpu_freq_mhz_mean": 2600.0, "gpu_util_pct_mean": None, "gpu_other_procs_max": None}
 
 
-def _write_rows(path: Path, sch: pa.Schema, rows: list[tuple]) -> None:
+def _rows_table(sch: pa.Schema, rows: list[tuple]) -> pa.Table:
     cols = list(zip(*rows)) if rows else [[] for _ in sch]
-    pq.write_table(pa.Table.from_arrays([pa.array(list(c), type=f.type) for c, f in zip(cols, sch)], schema=sch), path)
+    return pa.Table.from_arrays([pa.array(list(c), type=f.type) for c, f in zip(cols, sch)], schema=sch)
+
+
+# ---- tiling: a large bundle as parts, copies of one simulated segment ---------------------------------
+_NS_COLS = {name: [f.name for f in sch if f.name.endswith("_ns")] for name, sch in schema.TABLES.items()}
+
+
+def write_part(out: Path, name: str, index: int, table: pa.Table) -> None:
+    """Part ``index`` of table ``name`` in the rolling layout (temp file, then renamed)."""
+    d = out / f"{name}.parquet"
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".{PART_NAME.format(index)}.tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, d / PART_NAME.format(index))
+
+
+def _tile(spec: SynthSpec, sim: tuple, out, run_id: str) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tables = _tables(spec, *sim)
+    req = tables["requests"]
+    n_seg = req.num_rows
+    ends = [c for c in ("client_done_ns", "gateway_finished_ns", "engine_finished_ns") if req.column(c).null_count < n_seg]
+    span = int(pc.max(req.column(ends[0])).as_py()) - ORIGIN_NS + 10**6
+    n_steps = tables["steps"].num_rows
+    seg_ids = req.column("request_id").to_pylist()
+    seg_pos = {r: i for i, r in enumerate(seg_ids)}
+    flat = tables["steps"].column("request_ids").combine_chunks()
+    flat_pos = np.array([seg_pos[x] for x in flat.flatten().to_pylist()], np.int64)
+    span_pos = np.array([seg_pos.get(x, 0) for x in tables["spans"].column("request_id").to_pylist()], np.int64)
+    parts = math.ceil(spec.num_requests / n_seg)
+    end_ns = ORIGIN_NS
+    for k in range(parts):
+        keep = min(n_seg, spec.num_requests - k * n_seg)
+        ids = pa.array([f"req-{i}" for i in range(k * n_seg, k * n_seg + n_seg)], pa.string())
+        for name, t in tables.items():
+            if name == "kernels" and k:
+                continue  # the profiler's windows are at the start of the run
+            t = _shift(t, name, k * span, k * n_steps)
+            if name == "requests":
+                t = t.set_column(0, "request_id", ids).slice(0, keep)
+                end_ns = max(end_ns, max(int(pc.max(t.column(c)).as_py() or 0) for c in ends))
+            elif name == "steps":
+                lists = pa.ListArray.from_arrays(flat.offsets, ids.take(pa.array(flat_pos)))
+                t = t.set_column(t.schema.get_field_index("request_ids"), "request_ids", lists)
+            elif name == "spans" and t.num_rows:
+                t = t.set_column(t.schema.get_field_index("request_id"), "request_id", ids.take(pa.array(span_pos)))
+            write_part(out, name, k + 1, t)
+        _write_manifest(spec, out, run_id, min((k + 1) * n_seg, spec.num_requests), end_ns, parts=k + 1,
+                        complete=k + 1 == parts)
+    return out
+
+
+def _shift(t: pa.Table, name: str, dt_ns: int, dstep: int) -> pa.Table:
+    if not dt_ns and not dstep:
+        return t
+    for c in _NS_COLS[name] + (["step_id"] if dstep and "step_id" in t.column_names else []):
+        i = t.schema.get_field_index(c)
+        t = t.set_column(i, t.schema.field(i), pc.add(t.column(i), dt_ns if c != "step_id" else dstep))
+    return t

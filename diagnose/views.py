@@ -10,13 +10,16 @@ DataFrames and dataclasses. Headless: no textual import; the TUI only renders th
 * ``step_series(a)``: per step over the run (step time, batch, KV usage, waiting queue)
 * ``find_runs(folder)``: run bundles under a folder (manifest only)
 
+A request's detail reads only the steps of its lifetime from the bundle (``_memberships_of``):
+a million-request bundle's memberships are never built whole. (Over 400 lines: every view the
+TUI renders is here, so the TUI stays rendering-only.)
+
 Durations in seconds; ``*_at_s`` / ``start_s`` offsets are seconds from the request's
 server-side arrival (gateway arrival, else engine arrival).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -237,8 +240,7 @@ def request_steps(a: RunAnalysis, row: int, t: dict[str, float] | None = None) -
     """
     run = a.run
     t = t if t is not None else _times(run.requests.iloc[row])
-    m = run.memberships
-    m = m[m["request_row"].to_numpy() == row]
+    m = _memberships_of(run, row)
     s = run.steps.iloc[m["step_row"].to_numpy()]
     arrival_ns = run.requests.iloc[row]["gateway_arrival_ns"]
     if _nan(arrival_ns):
@@ -265,6 +267,32 @@ def request_steps(a: RunAnalysis, row: int, t: dict[str, float] | None = None) -
         "is_profiled": [k in profiled for k in zip(s["step_id"], s["replica"])],
     })
     return out.sort_values("at_s", kind="stable").reset_index(drop=True)
+
+
+def _memberships_of(run: Run, row: int) -> pd.DataFrame:
+    """Request ``row``'s memberships (step_row, request_row, num_tokens). From a bundle, only the
+    steps of its lifetime are read (a 1M-request bundle has ~64M memberships: never built whole)."""
+    if run.bundle is None or "memberships" in run.__dict__ or "steps" in run._replaced:
+        m = run.memberships
+        return m[m["request_row"].to_numpy() == row]
+    import pyarrow.dataset as ds
+
+    from layerscope.probes.breakdown import memberships
+
+    r = run.requests.iloc[row]
+    lo = r["gateway_arrival_ns"] if not _nan(r["gateway_arrival_ns"]) else r["engine_arrival_ns"]
+    ends = [r[c] for c in ("engine_finished_ns", "gateway_finished_ns", "client_done_ns") if not _nan(r[c])]
+    flt = ds.field("start_ns") >= int(lo) if not _nan(lo) else None
+    if ends and flt is not None:
+        flt = flt & (ds.field("start_ns") <= int(max(ends)))
+    sub = run.bundle.table("steps", ["step_id", "replica", "request_ids", "request_num_tokens"], flt)
+    m = memberships(sub, np.asarray([r["request_id"]], dtype=object))
+    m = m[m["request_row"].to_numpy() == 0]
+    idx = pd.MultiIndex.from_arrays([run.steps["step_id"].to_numpy(), run.steps["replica"].to_numpy()])
+    rows = idx.get_indexer(pd.MultiIndex.from_arrays([sub.column("step_id").to_numpy()[m["step_row"].to_numpy()],
+                                                       sub.column("replica").to_numpy()[m["step_row"].to_numpy()]]))
+    return pd.DataFrame({"step_row": rows, "request_row": np.full(len(m), row, np.int64),
+                         "num_tokens": m["num_tokens"].to_numpy()})
 
 
 def _phases(r: pd.Series, t: dict[str, float], steps: pd.DataFrame) -> list[Phase]:
@@ -390,8 +418,19 @@ def _sub_run(run: Run, steps: pd.DataFrame) -> Run:
         idx = pd.MultiIndex.from_arrays([df["step_id"].to_numpy(), df["replica"].to_numpy()])
         return df[idx.isin(keys)]
 
-    return dataclasses.replace(run, steps=run.steps.iloc[steps["step_row"].to_numpy()], layers=cut(run.layers),
-                               kernels=cut(run.kernels), collectives=cut(run.collectives), _membership_arrow=None)
+    return run.replace(steps=run.steps.iloc[steps["step_row"].to_numpy()], layers=cut(run.layers),
+                       kernels=cut(run.kernels), collectives=cut(_collectives_of(run, steps)))
+
+
+def _collectives_of(run: Run, steps: pd.DataFrame) -> pd.DataFrame:
+    """The collectives of the given steps, read from the bundle by time (the table can be large)."""
+    if run.bundle is None or not len(steps):
+        return run.collectives
+    import pyarrow.dataset as ds
+
+    s = run.steps.iloc[steps["step_row"].to_numpy()]
+    lo, hi = int(s["start_ns"].min()), int(s["end_ns"].max())
+    return run.bundle.df("collectives", filter=(ds.field("start_ns") >= lo) & (ds.field("start_ns") <= hi))
 
 
 # ---- steps over the run --------------------------------------------------------------------------

@@ -44,11 +44,15 @@ import pandas as pd
 import pyarrow as pa
 
 from layerscope.contract import BREAKDOWN_LAYERS, component_column
+from layerscope.probes.schema import DECODE_COLUMNS, STORED_COMPONENT_COLUMNS
 
 COMPONENTS: tuple[str, ...] = BREAKDOWN_LAYERS
 _IDX = {layer: i for i, layer in enumerate(COMPONENTS)}
 col = component_column
 TTFT_COLUMNS = [col("ttft", layer) for layer in COMPONENTS] + ["ttft_residual_s"]
+# what the writer stores per request (schema version 2): every column of request_breakdown that
+# needs the steps' memberships; diagnose reads them back with ``stored_breakdown``
+STORED_COLUMNS = list(STORED_COMPONENT_COLUMNS)
 
 
 class Tables(Protocol):
@@ -135,8 +139,10 @@ def request_breakdown(run: Tables) -> pd.DataFrame:
     num_output_tokens, num_preemptions, arrival_s (from the run's first event), ttft_s,
     tpot_s, e2e_s, client_s (client-observed
     TTFT minus server TTFT), then for metric in ttft/e2e/tpot: one ``{metric}_{layer}_s``
-    per layer in COMPONENTS and ``{metric}_residual_s``; ttft_recorded (bool: the TTFT
-    components come from the requests table), dominant_layer (largest E2E component).
+    per layer in COMPONENTS and ``{metric}_residual_s``; the decode phase's composition
+    (``schema.DECODE_COLUMNS``: num_decode_steps, num_mixed_steps, mean_batch_seqs, tpot_step_s,
+    tpot_prefill_interference_s); ttft_recorded (bool: the TTFT components come from the requests
+    table), dominant_layer (largest E2E component). ``STORED_COLUMNS`` are what a writer stores.
     """
     r = run.requests
     n = len(r)
@@ -192,7 +198,7 @@ def request_breakdown(run: Tables) -> pd.DataFrame:
     ttft_c = _window(n, pre, mem, start, start + ttft, first_tok_engine)
     e2e_c = _window(n, pre, mem, start, start + e2e, fin_engine)
     decode_c = _window(n, pre, mem, start + ttft, start + e2e, fin_engine)
-    rec = r[TTFT_COLUMNS].to_numpy(np.float64)
+    rec = r.reindex(columns=TTFT_COLUMNS).to_numpy(np.float64)  # absent: none recorded
     has_rec = ~np.isnan(rec).any(axis=1)
     ttft_rows = np.c_[ttft_c, ttft - ttft_c.sum(axis=1)]
     ttft_rows[has_rec] = _with_recorded(rec[has_rec], ttft_c[has_rec])
@@ -207,11 +213,83 @@ def request_breakdown(run: Tables) -> pd.DataFrame:
         for j, layer in enumerate(COMPONENTS):
             cols[col(metric, layer)] = comps[:, j]
         cols[f"{metric}_residual_s"] = resid
-    out = pd.concat([out, pd.DataFrame(cols)], axis=1)
-    out["ttft_recorded"] = has_rec
-    dom = np.nan_to_num(e2e_c, nan=-1.0).argmax(axis=1)
-    out["dominant_layer"] = np.where(np.isnan(e2e), None, np.asarray(COMPONENTS, dtype=object)[dom])
+    cols.update(_decode(run, mem, si, ntok, first_tok_engine, r["num_output_tokens"].to_numpy(np.float64), n))
+    out = pd.DataFrame({**{c: out[c].to_numpy() for c in out.columns}, **cols, "ttft_recorded": has_rec}, copy=False)
+    return _finish(out)
+
+
+def _finish(out: pd.DataFrame) -> pd.DataFrame:
+    # the largest E2E component, column by column (no [n, k] copy of a million rows)
+    best = np.full(len(out), -np.inf)
+    dom = np.zeros(len(out), np.int64)
+    for j, layer in enumerate(COMPONENTS):
+        v = np.nan_to_num(out[col("e2e", layer)].to_numpy(np.float64), nan=-1.0)
+        better = v > best
+        best = np.where(better, v, best)
+        dom[better] = j
+    out["dominant_layer"] = np.where(np.isnan(out["e2e_s"].to_numpy(np.float64)), None,
+                                     np.asarray(COMPONENTS, dtype=object)[dom])
     return out
+
+
+def _decode(run: Tables, mem: dict, si: np.ndarray, ntok: np.ndarray, first_tok: np.ndarray,
+            num_output: np.ndarray, n: int) -> dict[str, np.ndarray]:
+    """The decode phase's composition per request (DECODE_COLUMNS) from its decode memberships
+    (one token, at or after the engine's first token)."""
+    ri = mem["ri"]
+    s = run.steps
+    is_decode = (mem["t0"] >= first_tok[ri]) & (ntok == 1)
+    sd, rd = si[is_decode], ri[is_decode]
+
+    def per_step(*names: str) -> np.ndarray:
+        return np.nan_to_num(sum(s[c].to_numpy(np.float64) for c in names))[sd]
+
+    step_s, ptok, btok = per_step("step_s"), per_step("num_prefill_tokens"), per_step("num_batched_tokens")
+    seqs = per_step("num_prefill_seqs", "num_decode_seqs")
+    cnt = np.bincount(rd, minlength=n).astype(float)
+    denom = np.where(num_output > 1, num_output - 1, np.nan)
+    share = np.where(btok > 0, ptok / np.where(btok > 0, btok, 1), 0)
+    return {
+        "num_decode_steps": cnt.astype(np.int64),
+        "num_mixed_steps": np.bincount(rd, weights=(ptok > 0).astype(float), minlength=n).astype(np.int64),
+        "mean_batch_seqs": np.bincount(rd, weights=seqs, minlength=n) / np.where(cnt > 0, cnt, np.nan),
+        "tpot_step_s": np.bincount(rd, weights=step_s, minlength=n) / denom,
+        "tpot_prefill_interference_s": np.bincount(rd, weights=step_s * share, minlength=n) / denom,
+    }
+
+
+def has_stored(requests: pd.DataFrame) -> bool:
+    """Whether ``requests`` carries every stored component (STORED_COLUMNS) for every request
+    with an E2E: a bundle of schema version 2 whose writer computed them (only the stored columns
+    present in ``requests`` are checked: a reader may check a few)."""
+    always = [col("e2e", layer) for layer in COMPONENTS] + ["e2e_residual_s", *DECODE_COLUMNS[:2]]
+    cols = [c for c in always if c in requests]  # defined for every request with an E2E
+    if not cols or "e2e_s" not in requests:
+        return False
+    e2e = requests["e2e_s"].notna().to_numpy()
+    return bool(e2e.any()) and not requests.loc[e2e, cols].isna().any().any()
+
+
+def stored_breakdown(run: Tables) -> pd.DataFrame:
+    """``request_breakdown``'s frame from the components the writer stored (``has_stored``): the
+    same columns, read instead of derived, so no step memberships are needed."""
+    r = run.requests
+    origin = origin_ns(run)
+    gw, en = r["gateway_arrival_ns"].to_numpy(np.float64), r["engine_arrival_ns"].to_numpy(np.float64)
+    ttft = r["ttft_s"].to_numpy(np.float64)
+    out = {c: r[c].to_numpy() for c in ("request_id", "replica", "status", "num_prompt_tokens", "num_cached_tokens",
+                                         "num_output_tokens", "num_preemptions")}
+    out.update({"arrival_s": seconds(np.where(np.isnan(gw), en, gw), origin), "ttft_s": ttft,
+                "tpot_s": r["tpot_s"].to_numpy(np.float64), "e2e_s": r["e2e_s"].to_numpy(np.float64),
+                "client_s": r["client_ttft_s"].to_numpy(np.float64) - ttft})
+    for c in STORED_COLUMNS:
+        out[c] = r[c].to_numpy(np.float64) if c not in DECODE_COLUMNS[:2] else \
+            np.nan_to_num(r[c].to_numpy(np.float64)).astype(np.int64)
+    recorded = np.ones(len(r), bool)
+    for c in TTFT_COLUMNS:
+        recorded &= ~np.isnan(out[c])
+    out["ttft_recorded"] = recorded
+    return _finish(pd.DataFrame(out, copy=False))
 
 
 def _with_recorded(rec: np.ndarray, derived: np.ndarray) -> np.ndarray:

@@ -15,11 +15,29 @@ import pyarrow as pa
 
 from layerscope.contract import BREAKDOWN_LAYERS, LAYERS, component_column  # noqa: F401  (LAYERS: re-export)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: requests carry every per-request component (E2E_COMPONENTS.., DECODE_COLUMNS)
 BUNDLE_FORMAT = "layerscope.bundle"
 
 # TTFT components, in request order; their sum plus ttft_residual_s equals ttft_s.
 TTFT_COMPONENTS = tuple((layer, component_column("ttft", layer)) for layer in BREAKDOWN_LAYERS)
+# Version 2: the E2E and TPOT components and the decode phase's composition, as the writer computed
+# them with probes/breakdown.request_breakdown (diagnose reads them instead of re-deriving them from
+# the steps' memberships; null in a bundle whose writer did not compute them: diagnose derives them).
+E2E_COMPONENTS = tuple((layer, component_column("e2e", layer)) for layer in BREAKDOWN_LAYERS)
+TPOT_COMPONENTS = tuple((layer, component_column("tpot", layer)) for layer in BREAKDOWN_LAYERS)
+DECODE_COLUMNS = (
+    "num_decode_steps",  # decode steps (one token each, after the first token) it took part in
+    "num_mixed_steps",  # of which also carried prefill chunks
+    "mean_batch_seqs",  # mean sequences per decode step
+    "tpot_step_s",  # its decode steps' time per output token after the first
+    "tpot_prefill_interference_s",  # the prefill-token share of that time
+)
+STORED_COMPONENT_COLUMNS = (
+    *[c for _, c in TTFT_COMPONENTS], "ttft_residual_s",
+    *[c for _, c in E2E_COMPONENTS], "e2e_residual_s",
+    *[c for _, c in TPOT_COMPONENTS], "tpot_residual_s",
+    *DECODE_COLUMNS,
+)
 
 _ts = pa.int64()
 _s = pa.float64()
@@ -67,6 +85,12 @@ REQUESTS = pa.schema(
         # TTFT decomposition (see TTFT_COMPONENTS) + what none of them explains
         *[(col, _s) for _, col in TTFT_COMPONENTS],
         ("ttft_residual_s", _s),
+        # version 2: the other stored components (see STORED_COMPONENT_COLUMNS)
+        *[(col, _s) for _, col in E2E_COMPONENTS],
+        ("e2e_residual_s", _s),
+        *[(col, _s) for _, col in TPOT_COMPONENTS],
+        ("tpot_residual_s", _s),
+        *[(c, _n if c.startswith("num_") else _s) for c in DECODE_COLUMNS],
         # time spent preempted over the whole life (engine.kv), and queue time
         ("preempted_s", _s),
         ("trace_id", _str),  # OpenTelemetry trace id (hex) of this request
@@ -173,6 +197,8 @@ MACHINE = pa.schema(
     ]
 )
 OPTIONAL_TABLES: dict[str, pa.Schema] = {"machine": MACHINE}  # not required by readers
+# columns added after version 1, with the version that added them (an older bundle reads them as null)
+ADDED: dict[str, int] = {c: 2 for c in STORED_COMPONENT_COLUMNS[len(TTFT_COMPONENTS) + 1:]}
 
 TABLES: dict[str, pa.Schema] = {
     "requests": REQUESTS,
