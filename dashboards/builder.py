@@ -30,8 +30,8 @@ from typing import Iterable, Sequence
 
 from prometheus_client.utils import floatToGoString
 
+from layerscope.contract import LAYERS
 from layerscope.probes.metrics import BASE_LABELS, GATEWAY_REPLICA, METRICS, REQUEST_LAYER, MetricDef
-from layerscope.probes.schema import LAYERS
 
 SCHEMA_VERSION = 39  # Grafana 10.4/11 dashboard schema
 GRAFANA_VERSION = "10.4.0"  # the oldest Grafana the JSON is written for (__requires)

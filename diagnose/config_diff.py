@@ -2,9 +2,9 @@
 
 Every key of the resolved engine + gateway config that differs is listed with both
 values, whether each side set it or took the version's default, and the layer it
-acts on. The key -> layer table below mirrors ``layerscope.engine.config.config_keys()``
-(a test checks they are equal): diagnose must not import the engine. A bundle whose
-manifest carries a ``config_layers`` map (key -> layer, as the engine that ran
+acts on. Keys, layers and defaults come from ``layerscope.contract.CONFIG_KEYS``, the
+table the engine's config is built from (diagnose must not import the engine). A bundle
+whose manifest carries a ``config_layers`` map (key -> layer, as the engine that ran
 registered it) is read from that map first.
 """
 
@@ -17,36 +17,7 @@ from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
-# key -> (layer it acts on, default); mirrors engine.config (checked by tests/diagnose)
-CONFIG_KEYS: dict[str, tuple[str, Any]] = {
-    "model": ("model.forward", ""),
-    "dtype": ("kernel.compute", "auto"),
-    "max_model_len": ("engine.queue", 0),
-    "max_num_seqs": ("engine.queue", 64),
-    "max_num_batched_tokens": ("engine.queue", 2048),
-    "enable_chunked_prefill": ("engine.schedule", True),
-    "enable_prefix_caching": ("engine.kv", True),
-    "block_size": ("engine.kv", 16),
-    "num_kv_blocks": ("engine.kv", 0),
-    "kv_cache_memory_bytes": ("engine.kv", 268435456),
-    "preemption_mode": ("engine.kv", "recompute"),
-    "kernel_backend": ("kernel.compute", "auto"),
-    "enforce_eager": ("kernel.launch_gap", False),
-    "weight_prepack": ("kernel.compute", True),
-    "device": ("hardware", "auto"),
-    "tp_size": ("parallel.collective", 1),
-    "tp_timeout_s": ("parallel.collective", 60.0),
-    "seed": ("model.forward", 0),
-    "num_threads": ("kernel.compute", 0),
-    "layer_timing_interval": ("model.forward", 16),
-    "router_policy": ("gateway.route", "round_robin"),
-    "gateway.max_concurrency": ("gateway.queue", 64),
-    "gateway.max_queue": ("gateway.queue", 256),
-    "gateway.retry_after_s": ("gateway.queue", 1),
-    "gateway.request_timeout_s": ("gateway.queue", 600.0),
-}
-CONFIG_LAYERS: dict[str, str] = {k: v[0] for k, v in CONFIG_KEYS.items()}
-CONFIG_DEFAULTS: dict[str, Any] = {k: v[1] for k, v in CONFIG_KEYS.items()}
+from layerscope.contract import CONFIG_DEFAULTS, CONFIG_KEYS, CONFIG_LAYERS, flatten_config
 
 # values the engine derives at start-up (manifest "resolved")
 RESOLVED_LAYERS: dict[str, str] = {
@@ -78,17 +49,6 @@ CAN_MOVE: dict[str, frozenset[str]] = {
 VERSION_LAYERS = {"torch": "kernel.compute", "triton": "kernel.compute", "transformers": "model.forward"}
 
 DIFF_COLUMNS = ["kind", "key", "baseline", "candidate", "layer", "baseline_source", "candidate_source", "consistent"]
-
-
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"gateway": {"max_queue": 1}}`` -> ``{"gateway.max_queue": 1}``."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def set_keys_from_command(argv: Iterable[str] | None) -> set[str]:
@@ -132,7 +92,7 @@ def config_source(obj: Any) -> dict[str, Any]:
             if "config" in data and "format" in data:  # a manifest.json
                 data.pop("faults", None)
                 return _from_manifest(data, str(p))
-            flat = flatten(data)
+            flat = flatten_config(data)
             unknown = sorted(set(flat) - set(CONFIG_KEYS))
             if unknown:
                 raise RunError(f"{p}: unknown config keys {', '.join(unknown)}")
@@ -150,17 +110,17 @@ def _from_manifest(m: Mapping[str, Any], name: str) -> dict[str, Any]:
     if isinstance(resolved, list):  # per replica
         flat_r: dict[str, Any] = {}
         for i, r in enumerate(resolved):
-            for k, v in flatten(r).items():
+            for k, v in flatten_config(r).items():
                 flat_r[k if len(resolved) == 1 else f"replica{i}.{k}"] = v
         resolved = flat_r
     else:
-        resolved = flatten(resolved)
+        resolved = flatten_config(resolved)
     return {
         "name": name,
-        "config": {**CONFIG_DEFAULTS, **flatten(m.get("config") or {})},
+        "config": {**CONFIG_DEFAULTS, **flatten_config(m.get("config") or {})},
         "resolved": resolved,
         "versions": dict(m.get("versions") or {}),
-        "hardware": flatten(m.get("hardware") or {}),
+        "hardware": flatten_config(m.get("hardware") or {}),
         "set_keys": set_keys_from_command(m.get("command")),
         # key -> layer as the engine that ran registered it, when the bundle records it
         "layers": dict(m.get("config_layers") or {}),

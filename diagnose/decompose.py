@@ -1,29 +1,10 @@
-"""Per-request latency decomposition into the layers of DESIGN.md's taxonomy.
+"""Per-request latency decomposition into the layers of DESIGN.md's taxonomy, and analyses on it.
 
-Each request's life is walked as a timeline on the run's monotonic clock:
-
-    gateway arrival -> admitted          gateway.queue
-    admitted -> engine arrival           gateway.route (router decision + IPC)
-    engine arrival -> first step start   engine.queue
-    inside each step it took part in     engine.schedule (schedule + prepare + host remainder),
-                                         model.forward (forward minus collectives, + sampler),
-                                         parallel.collective, engine.output (output phase);
-                                         a recompute step after a preemption: engine.kv
-    between two of its steps             engine.schedule when no other step ran in between (host
-                                         loop), engine.kv when the next step recomputes (it was
-                                         preempted), else engine.queue (not scheduled: a stall)
-    after its last step, or after the engine produced the window's token, to the window's end:
-                                         engine.output (the way back out through the gateway)
-
-and the TTFT window [arrival, first token], the E2E window [arrival, last token] and
-the decode window [first token, last token] are clipped out of it; TPOT components
-are the decode window's divided by output_tokens - 1. (A gap's label can depend on
-the window: the gap after the step that sampled the first token is engine.output
-inside TTFT, whose end is that token reaching the gateway, and host time between
-steps inside E2E.) Where the requests table carries recorded ``ttft_*`` components,
-those are used for TTFT; their residual (host time probes leave unlabelled) goes to
-the layers the timeline puts it in. All durations in seconds; vectorised over memberships
-(one row per request per step), so 10,000 requests take well under a second.
+The decomposition itself is ``layerscope.probes.breakdown.request_breakdown``: one function, which
+the bundle writer also calls to store the recorded TTFT components, so diagnose and probes cannot
+disagree (its docstring states the gap rules). This module re-exports it and adds what diagnose
+builds on top: where the time goes (``time_shares``), the decode phase's composition
+(``tpot_breakdown``) and step time by batch composition (``step_composition``).
 """
 
 from __future__ import annotations
@@ -32,245 +13,10 @@ import numpy as np
 import pandas as pd
 
 from layerscope.diagnose.load import Run
-from layerscope.probes.schema import TTFT_COMPONENTS
+from layerscope.probes.breakdown import COMPONENTS, col, origin_ns, request_breakdown, seconds, step_frame
 
-COMPONENTS: tuple[str, ...] = tuple(layer for layer, _ in TTFT_COMPONENTS)
-_IDX = {layer: i for i, layer in enumerate(COMPONENTS)}
-
-
-def col(metric: str, layer: str) -> str:
-    """Column name of ``layer``'s share of ``metric``: col("ttft", "engine.queue") -> "ttft_engine_queue_s"."""
-    return f"{metric}_{layer.replace('.', '_')}_s"
-
-
-def _sec(values: pd.Series | np.ndarray, origin: float) -> np.ndarray:
-    return (np.asarray(values, dtype=np.float64) - origin) / 1e9
-
-
-def step_frame(run: Run) -> pd.DataFrame:
-    """Steps with times in seconds from the run origin and phase boundaries.
-
-    Columns added: t_start_s, t_end_s, b1..b5 (ends of schedule, prepare, forward,
-    sample, output), collective_frac (share of forward in collectives), seq (step order
-    within its replica), host_s (schedule + prepare + unaccounted remainder).
-    """
-    s = run.steps
-    origin = _origin(run)
-    out = pd.DataFrame(index=s.index)
-    out["t_start_s"] = _sec(s["start_ns"], origin)
-    phases = [np.nan_to_num(s[c].to_numpy(np.float64)) for c in ("schedule_s", "prepare_s", "forward_s", "sample_s",
-                                                                   "output_s")]
-    b = out["t_start_s"].to_numpy()
-    for i, ph in enumerate(phases, start=1):
-        b = b + ph
-        out[f"b{i}"] = b
-    out["t_end_s"] = np.maximum(_sec(s["end_ns"], origin), b)
-    fwd = phases[2]
-    coll = np.nan_to_num(s["collective_s"].to_numpy(np.float64))
-    out["collective_frac"] = np.where(fwd > 0, np.clip(coll / np.where(fwd > 0, fwd, 1), 0, 1), 0.0)
-    order = np.lexsort((out["t_start_s"].to_numpy(), np.nan_to_num(s["replica"].to_numpy(np.float64))))
-    seq = np.empty(len(s), np.int64)
-    rep = np.nan_to_num(s["replica"].to_numpy(np.float64))[order]
-    first = np.r_[True, rep[1:] != rep[:-1]] if len(order) else np.zeros(0, bool)
-    ranks = np.arange(len(order)) - np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
-    seq[order] = ranks
-    out["seq"] = seq
-    out["host_s"] = phases[0] + phases[1] + (out["t_end_s"].to_numpy() - b)
-    return out
-
-
-def _origin(run: Run) -> float:
-    r = run.requests
-    cands = [r[c].min() for c in ("gateway_arrival_ns", "engine_arrival_ns") if c in r and r[c].notna().any()]
-    if len(run.steps):
-        cands.append(run.steps["start_ns"].min())
-    return float(min(cands)) if cands else 0.0
-
-
-def request_breakdown(run: Run) -> pd.DataFrame:
-    """One row per request: metrics and their per-layer components (seconds).
-
-    Columns: request_id, replica, status, num_prompt_tokens, num_cached_tokens,
-    num_output_tokens, num_preemptions, arrival_s (from the run's first event), ttft_s,
-    tpot_s, e2e_s, client_s (client-observed
-    TTFT minus server TTFT), then for metric in ttft/e2e/tpot: one ``{metric}_{layer}_s``
-    per layer in COMPONENTS and ``{metric}_residual_s``; ttft_recorded (bool: the TTFT
-    components come from the requests table), dominant_layer (largest E2E component).
-    """
-    r = run.requests
-    n = len(r)
-    origin = _origin(run)
-    gw_arr = _sec(r["gateway_arrival_ns"], origin)
-    gw_adm = _sec(r["gateway_admitted_ns"], origin)
-    en_arr = _sec(r["engine_arrival_ns"], origin)
-    start = np.where(np.isnan(gw_arr), en_arr, gw_arr)
-    ttft = r["ttft_s"].to_numpy(np.float64)
-    e2e = r["e2e_s"].to_numpy(np.float64)
-    first_tok_engine = _sec(r["engine_first_token_ns"], origin)
-    first_tok_engine = np.where(np.isnan(first_tok_engine), start + ttft, first_tok_engine)
-
-    st = step_frame(run)
-    m = run.memberships
-    m = m[m["request_row"].to_numpy() >= 0]
-    ri = m["request_row"].to_numpy()
-    si = m["step_row"].to_numpy()
-    t0 = st["t_start_s"].to_numpy()[si]
-    order = np.lexsort((t0, ri))
-    ri, si, t0 = ri[order], si[order], t0[order]
-    ntok = m["num_tokens"].to_numpy()[order]
-    same_next = np.r_[ri[1:] == ri[:-1], False]
-    nxt = np.minimum(np.arange(len(ri)) + 1, max(len(ri) - 1, 0))  # index of the next membership
-    next_start = np.where(same_next, t0[nxt], np.inf)
-    seq = st["seq"].to_numpy()[si]
-    skipped = np.where(same_next, seq[nxt] - seq - 1, 0)
-    recompute = (t0 >= first_tok_engine[ri]) & (ntok > 1)
-    next_recompute = np.where(same_next, recompute[nxt], False)
-    first_start = np.full(n, np.nan)
-    if len(ri):
-        firsts = np.r_[True, ri[1:] != ri[:-1]]
-        first_start[ri[firsts]] = t0[firsts]
-    bounds = {k: st[k].to_numpy()[si] for k in ("b1", "b2", "b3", "b4", "b5", "t_end_s")}
-    cfrac = st["collective_frac"].to_numpy()[si]
-    kv = _preempted_intervals(run, origin)
-    if kv is not None:  # recorded preemption intervals replace the guess from recompute steps
-        next_recompute = np.zeros_like(next_recompute)
-    mem = dict(ri=ri, t0=t0, next_start=next_start, skipped=skipped, recompute=recompute,
-               next_recompute=next_recompute, cfrac=cfrac, **bounds)
-    pre = dict(gw_arr=gw_arr, gw_adm=gw_adm, en_arr=en_arr, start=start, first_start=first_start, kv=kv)
-
-    out = pd.DataFrame({
-        "request_id": r["request_id"].to_numpy(), "replica": r["replica"].to_numpy(), "status": r["status"].to_numpy(),
-        "num_prompt_tokens": r["num_prompt_tokens"].to_numpy(), "num_cached_tokens": r["num_cached_tokens"].to_numpy(),
-        "num_output_tokens": r["num_output_tokens"].to_numpy(), "num_preemptions": r["num_preemptions"].to_numpy(),
-        "arrival_s": start, "ttft_s": ttft, "tpot_s": r["tpot_s"].to_numpy(np.float64), "e2e_s": e2e,
-        "client_s": r["client_ttft_s"].to_numpy(np.float64) - ttft,
-    })
-    # the engine's part of a window ends where the engine produced its token; what follows
-    # (the token's way out through the gateway) is engine.output
-    fin_engine = _sec(r["engine_finished_ns"], origin)
-    ttft_c = _window(n, pre, mem, start, start + ttft, first_tok_engine)
-    e2e_c = _window(n, pre, mem, start, start + e2e, fin_engine)
-    decode_c = _window(n, pre, mem, start + ttft, start + e2e, fin_engine)
-    recorded_cols = [c for _, c in TTFT_COMPONENTS] + ["ttft_residual_s"]
-    rec = r[recorded_cols].to_numpy(np.float64)
-    has_rec = ~np.isnan(rec).any(axis=1)
-    ttft_rows = np.c_[ttft_c, ttft - ttft_c.sum(axis=1)]
-    ttft_rows[has_rec] = _with_recorded(rec[has_rec], ttft_c[has_rec])
-    denom = r["num_output_tokens"].to_numpy(np.float64) - 1
-    denom = np.where(denom > 0, denom, np.nan)
-    tpot = r["tpot_s"].to_numpy(np.float64)
-    tpot_c = decode_c / denom[:, None]
-    cols = {}
-    for j, layer in enumerate(COMPONENTS):
-        cols[col("ttft", layer)] = ttft_rows[:, j]
-    cols["ttft_residual_s"] = ttft_rows[:, -1]
-    for j, layer in enumerate(COMPONENTS):
-        cols[col("e2e", layer)] = e2e_c[:, j]
-    cols["e2e_residual_s"] = e2e - e2e_c.sum(axis=1)
-    for j, layer in enumerate(COMPONENTS):
-        cols[col("tpot", layer)] = tpot_c[:, j]
-    cols["tpot_residual_s"] = tpot - tpot_c.sum(axis=1)
-    out = pd.concat([out, pd.DataFrame(cols)], axis=1)
-    out["ttft_recorded"] = has_rec
-    dom = np.nan_to_num(e2e_c, nan=-1.0).argmax(axis=1)
-    out["dominant_layer"] = np.where(np.isnan(e2e), None, np.asarray(COMPONENTS, dtype=object)[dom])
-    return out
-
-
-def _with_recorded(rec: np.ndarray, derived: np.ndarray) -> np.ndarray:
-    """Recorded TTFT components [n, k + 1] (last column: residual), with the recorded residual
-    (host time between the phases the engine times, loop gaps) handed to the layers the
-    timeline puts more time in than was recorded; DESIGN.md counts host time per step as
-    engine.schedule, so the decomposition covers all of TTFT when the timeline does."""
-    out = rec.copy()
-    resid = np.clip(rec[:, -1], 0.0, None)
-    excess = np.clip(derived - rec[:, :-1], 0.0, None)
-    tot = excess.sum(axis=1)
-    give = np.where(tot > 0, np.minimum(resid, tot), 0.0)
-    share = np.divide(excess, tot[:, None], out=np.zeros_like(excess), where=tot[:, None] > 0)
-    out[:, :-1] += share * give[:, None]
-    out[:, -1] -= give
-    return out
-
-
-def _preempted_intervals(run: Run, origin: float) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(request_row, start_s, end_s) of every recorded preemption (``engine.kv`` spans), or None."""
-    sp = run.spans
-    if sp.empty:
-        return None
-    kv = sp[(sp["layer"] == "engine.kv") & sp["request_id"].notna()]
-    if kv.empty:
-        return None
-    rows = pd.Index(run.requests["request_id"]).get_indexer(kv["request_id"])
-    ok = rows >= 0
-    return rows[ok], _sec(kv["start_ns"], origin)[ok], _sec(kv["end_ns"], origin)[ok]
-
-
-def _ov(x0, x1, lo, hi):
-    return np.nan_to_num(np.clip(np.minimum(x1, hi) - np.maximum(x0, lo), 0.0, None))
-
-
-def _window(n: int, pre: dict, mem: dict, a: np.ndarray, b: np.ndarray, engine_end: np.ndarray) -> np.ndarray:
-    """Seconds per component of each request's window [a, b]; shape [n, len(COMPONENTS)].
-
-    Steps and gaps count up to ``engine_end`` (the engine's first/last token; nan: b); the
-    window's rest after it is engine.output."""
-    eb = np.where(np.isnan(engine_end), b, np.minimum(engine_end, b))
-    comps = _window_steps(n, pre, mem, a, eb)
-    comps[:, _IDX["engine.output"]] += _ov(eb, b, a, b)
-    if pre["kv"] is not None:
-        # a preempted request is in no step: its preempted time was labelled a stall (engine.queue)
-        kri, k0, k1 = pre["kv"]
-        kv = np.bincount(kri, weights=_ov(k0, k1, a[kri], b[kri]), minlength=n)
-        for src in ("engine.queue", "engine.schedule"):
-            moved = np.minimum(kv, comps[:, _IDX[src]])
-            comps[:, _IDX[src]] -= moved
-            comps[:, _IDX["engine.kv"]] += moved
-            kv = kv - moved
-    return comps
-
-
-def _window_steps(n: int, pre: dict, mem: dict, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    comps = np.zeros((n, len(COMPONENTS)))
-    ov = _ov
-
-    has_gw = ~np.isnan(pre["gw_arr"]) & ~np.isnan(pre["gw_adm"])
-    comps[:, _IDX["gateway.queue"]] += np.where(has_gw, ov(pre["gw_arr"], pre["gw_adm"], a, b), 0.0)
-    comps[:, _IDX["gateway.route"]] += np.where(has_gw, ov(pre["gw_adm"], pre["en_arr"], a, b), 0.0)
-    # never reached the engine (rejected at the gateway): all of it is gateway.queue
-    comps[:, _IDX["gateway.queue"]] += np.where(np.isnan(pre["en_arr"]), ov(pre["start"], b, a, b), 0.0)
-    queue_end = np.where(np.isnan(pre["first_start"]), b, pre["first_start"])
-    comps[:, _IDX["engine.queue"]] += ov(pre["en_arr"], queue_end, a, b)
-
-    ri = mem["ri"]
-    if not len(ri):
-        return comps
-    lo, hi = a[ri], b[ri]
-    t0, b1, b2, b3, b4, b5, end = (mem[k] for k in ("t0", "b1", "b2", "b3", "b4", "b5", "t_end_s"))
-    host = ov(t0, b1, lo, hi) + ov(b1, b2, lo, hi) + ov(b5, end, lo, hi)
-    fwd = ov(b2, b3, lo, hi)
-    samp = ov(b3, b4, lo, hi)
-    outp = ov(b4, b5, lo, hi)
-    rc = mem["recompute"]
-    cf = mem["cfrac"]
-    parts = {
-        "engine.schedule": np.where(rc, 0.0, host),
-        "model.forward": np.where(rc, 0.0, fwd * (1 - cf) + samp),
-        "parallel.collective": np.where(rc, 0.0, fwd * cf),
-        "engine.output": np.where(rc, 0.0, outp),
-        "engine.kv": np.where(rc, host + fwd + samp + outp, 0.0),
-    }
-    gap = ov(end, mem["next_start"], lo, hi)
-    trailing = mem["next_start"] >= hi - 1e-9  # within 1 ns: float seconds from ns clocks
-    parts["engine.output"] = parts["engine.output"] + np.where(trailing, gap, 0.0)
-    inner = ~trailing
-    parts["engine.schedule"] = parts["engine.schedule"] + np.where(inner & (mem["skipped"] <= 0), gap, 0.0)
-    stalled = inner & (mem["skipped"] > 0)
-    parts["engine.kv"] = parts["engine.kv"] + np.where(stalled & mem["next_recompute"], gap, 0.0)
-    parts["engine.queue"] = np.where(stalled & ~mem["next_recompute"], gap, 0.0)
-    for layer, v in parts.items():
-        comps[:, _IDX[layer]] += np.bincount(ri, weights=v, minlength=n)
-    return comps
+__all__ = ["COMPONENTS", "col", "request_breakdown", "step_frame", "time_shares", "tpot_breakdown",
+           "step_composition"]
 
 
 def time_shares(breakdown: pd.DataFrame, metric: str = "e2e") -> pd.DataFrame:
@@ -301,13 +47,13 @@ def tpot_breakdown(run: Run, breakdown: pd.DataFrame | None = None) -> pd.DataFr
     m = run.memberships
     m = m[m["request_row"].to_numpy() >= 0]
     s = run.steps
-    origin = _origin(run)
-    t0 = _sec(s["start_ns"], origin)[m["step_row"].to_numpy()]
+    origin = origin_ns(run)
+    t0 = seconds(s["start_ns"], origin)[m["step_row"].to_numpy()]
     ri = m["request_row"].to_numpy()
     r = run.requests
-    arr = _sec(np.where(r["gateway_arrival_ns"].isna(), r["engine_arrival_ns"], r["gateway_arrival_ns"]), origin)
+    arr = seconds(np.where(r["gateway_arrival_ns"].isna(), r["engine_arrival_ns"], r["gateway_arrival_ns"]), origin)
     first = np.where(r["engine_first_token_ns"].isna(), arr + bd["ttft_s"].to_numpy(),
-                     _sec(r["engine_first_token_ns"], origin))
+                     seconds(r["engine_first_token_ns"], origin))
     is_decode = (t0 >= first[ri]) & (m["num_tokens"].to_numpy() == 1)
     si = m["step_row"].to_numpy()[is_decode]
     rd = ri[is_decode]

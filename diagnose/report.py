@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from layerscope.contract import percentiles
 from layerscope.diagnose import decompose, model
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.comparison import meets_slo, slos
@@ -22,16 +23,6 @@ from layerscope.diagnose.detectors import detect
 from layerscope.diagnose.load import Run
 
 SCHEMA = "layerscope.run-report/1"
-
-
-def percentiles(values: pd.Series | np.ndarray) -> dict[str, Any]:
-    """p50/p90/p99 and the sample count (NaN dropped)."""
-    v = np.asarray(values, np.float64)
-    v = v[~np.isnan(v)]
-    out: dict[str, Any] = {"count": int(len(v))}
-    for p in (50, 90, 99):
-        out[f"p{p}"] = float(np.quantile(v, p / 100)) if len(v) else None
-    return out
 
 
 def slowest_requests(a: RunAnalysis, n: int = 10, metric: str = "e2e") -> pd.DataFrame:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from layerscope.contract import percentiles
 from layerscope.diagnose.load import Run
 from layerscope.diagnose.stats import mann_whitney_p
 
@@ -67,19 +68,19 @@ def workload_profile(run: Run) -> dict[str, float]:
     output = r["num_output_tokens"].dropna().to_numpy(np.float64)
     cached = r["num_cached_tokens"].fillna(0).to_numpy(np.float64)
 
-    def q(x, p):
-        return float(np.quantile(x, p)) if len(x) else math.nan
+    pp, po = percentiles(prompt), percentiles(output)
+    nan = lambda v: math.nan if v is None else v  # noqa: E731
 
     return {
         "num_requests": float(len(r)),
         "arrival_rate_per_s": (len(t) - 1) / span if span > 0 else math.nan,
         "interarrival_cv": float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else math.nan,
         "prompt_tokens_mean": float(prompt.mean()) if len(prompt) else math.nan,
-        "prompt_tokens_p50": q(prompt, 0.5),
-        "prompt_tokens_p90": q(prompt, 0.9),
+        "prompt_tokens_p50": nan(pp["p50"]),
+        "prompt_tokens_p90": nan(pp["p90"]),
         "output_tokens_mean": float(output.mean()) if len(output) else math.nan,
-        "output_tokens_p50": q(output, 0.5),
-        "output_tokens_p90": q(output, 0.9),
+        "output_tokens_p50": nan(po["p50"]),
+        "output_tokens_p90": nan(po["p90"]),
         "cached_token_frac": float(cached.sum() / prompt.sum()) if prompt.sum() > 0 else math.nan,
     }
 

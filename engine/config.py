@@ -2,7 +2,8 @@
 
 Every key carries a docstring (the ``doc`` metadata) and the layer of DESIGN.md's
 taxonomy it acts on (``layer`` metadata), so a config diff can say which layer a
-change can move. Values derived at start-up (KV blocks that fit, head dims) live in
+change can move. Each key's layer and default come from ``layerscope.contract.CONFIG_KEYS``,
+the one table diagnose reads as well (diagnose never imports the engine). Values derived at start-up (KV blocks that fit, head dims) live in
 ``ResolvedConfig``, never in ``EngineConfig``.
 """
 
@@ -13,21 +14,26 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from layerscope.contract import CONFIG_KEYS, flatten_config  # noqa: F401  (flatten_config: re-exported)
+
 
 class ConfigError(ValueError):
     """A configuration key or value is invalid."""
 
 
-def _f(default: Any, layer: str, doc: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"layer": layer, "doc": doc, **kw})
+def _f(key: str, doc: str) -> Any:
+    """A config field whose default and layer come from ``layerscope.contract.CONFIG_KEYS`` (one
+    table: diagnose reads the same one, and never imports the engine)."""
+    layer, default = CONFIG_KEYS[key]
+    return field(default=default, metadata={"layer": layer, "doc": doc})
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    max_concurrency: int = _f(64, "gateway.queue", "Requests admitted to the engines at once; the rest wait in the admission queue.")
-    max_queue: int = _f(256, "gateway.queue", "Requests allowed to wait for admission; beyond it the gateway answers 429.")
-    retry_after_s: int = _f(1, "gateway.queue", "Value of the Retry-After header on 429 answers, in seconds.")
-    request_timeout_s: float = _f(600.0, "gateway.queue", "Upper bound on one request's life at the gateway, in seconds.")
+    max_concurrency: int = _f("gateway.max_concurrency", "Requests admitted to the engines at once; the rest wait in the admission queue.")
+    max_queue: int = _f("gateway.max_queue", "Requests allowed to wait for admission; beyond it the gateway answers 429.")
+    retry_after_s: int = _f("gateway.retry_after_s", "Value of the Retry-After header on 429 answers, in seconds.")
+    request_timeout_s: float = _f("gateway.request_timeout_s", "Upper bound on one request's life at the gateway, in seconds.")
 
     def validate(self) -> None:
         _positive(self, "max_concurrency", prefix="gateway.")
@@ -41,27 +47,27 @@ class GatewayConfig:
 class EngineConfig:
     """The whole engine + gateway configuration. Immutable after construction."""
 
-    model: str = _f("", "model.forward", "Path to a Hugging Face-format checkpoint directory.")
-    dtype: str = _f("auto", "kernel.compute", "Weights and activations dtype: auto (checkpoint's), float32, bfloat16, float16.")
-    max_model_len: int = _f(0, "engine.queue", "Longest prompt + output in tokens; 0 means the model's max_position_embeddings.")
-    max_num_seqs: int = _f(64, "engine.queue", "Most requests running (scheduled) at once.")
-    max_num_batched_tokens: int = _f(2048, "engine.queue", "Token budget of one engine step (prefill chunks + decodes).")
-    enable_chunked_prefill: bool = _f(True, "engine.schedule", "Split long prefills into chunks that share steps with decodes.")
-    enable_prefix_caching: bool = _f(True, "engine.kv", "Reuse KV blocks of identical prompt prefixes (chained block hashes).")
-    block_size: int = _f(16, "engine.kv", "Tokens per KV-cache block.")
-    num_kv_blocks: int = _f(0, "engine.kv", "KV-cache blocks in the pool; 0 means derive from kv_cache_memory_bytes.")
-    kv_cache_memory_bytes: int = _f(256 * 1024 * 1024, "engine.kv", "Memory budget for the KV cache when num_kv_blocks is 0, in bytes.")
-    preemption_mode: str = _f("recompute", "engine.kv", "What preemption does to a victim's KV: recompute (free blocks, prefill again later).")
-    kernel_backend: str = _f("auto", "kernel.compute", "Kernel implementation: auto (triton on CUDA; on CPU cpu when a C compiler is present, else torch), torch (reference ops), triton, cpu (native C kernels, CPU only).")
-    enforce_eager: bool = _f(False, "kernel.launch_gap", "Run every step op by op from Python. Off: on the cpu kernel backend (bfloat16, one rank) decode-only steps run the decoder layers in one native call (the same kernels, bit-identical outputs, without the host work between them); timed, profiled and fault-injected steps always run op by op.")
-    weight_prepack: bool = _f(True, "kernel.compute", "CPU, bfloat16/float16: pack linear weights once into oneDNN's blocked layout at load (same outputs, faster small-batch GEMMs, a second copy of those weights).")
-    device: str = _f("auto", "hardware", "Device: auto (cuda when available), cpu, cuda.")
-    tp_size: int = _f(1, "parallel.collective", "Tensor-parallel ranks.")
-    tp_timeout_s: float = _f(60.0, "parallel.collective", "A TP worker that does not answer within this many seconds is an error.")
-    seed: int = _f(0, "model.forward", "Seed of the engine's default random generator (per-request seeds override it).")
-    num_threads: int = _f(0, "kernel.compute", "torch intra-op threads on CPU; 0 leaves torch's default.")
-    layer_timing_interval: int = _f(16, "model.forward", "Time each layer's forward on every Nth step (probes); 0 disables.")
-    router_policy: str = _f("round_robin", "gateway.route", "Replica choice: round_robin, least_loaded, prefix_affinity.")
+    model: str = _f("model", "Path to a Hugging Face-format checkpoint directory.")
+    dtype: str = _f("dtype", "Weights and activations dtype: auto (checkpoint's), float32, bfloat16, float16.")
+    max_model_len: int = _f("max_model_len", "Longest prompt + output in tokens; 0 means the model's max_position_embeddings.")
+    max_num_seqs: int = _f("max_num_seqs", "Most requests running (scheduled) at once.")
+    max_num_batched_tokens: int = _f("max_num_batched_tokens", "Token budget of one engine step (prefill chunks + decodes).")
+    enable_chunked_prefill: bool = _f("enable_chunked_prefill", "Split long prefills into chunks that share steps with decodes.")
+    enable_prefix_caching: bool = _f("enable_prefix_caching", "Reuse KV blocks of identical prompt prefixes (chained block hashes).")
+    block_size: int = _f("block_size", "Tokens per KV-cache block.")
+    num_kv_blocks: int = _f("num_kv_blocks", "KV-cache blocks in the pool; 0 means derive from kv_cache_memory_bytes.")
+    kv_cache_memory_bytes: int = _f("kv_cache_memory_bytes", "Memory budget for the KV cache when num_kv_blocks is 0, in bytes.")
+    preemption_mode: str = _f("preemption_mode", "What preemption does to a victim's KV: recompute (free blocks, prefill again later).")
+    kernel_backend: str = _f("kernel_backend", "Kernel implementation: auto (triton on CUDA; on CPU cpu when a C compiler is present, else torch), torch (reference ops), triton, cpu (native C kernels, CPU only).")
+    enforce_eager: bool = _f("enforce_eager", "Run every step op by op from Python. Off: on the cpu kernel backend (bfloat16, one rank) decode-only steps run the decoder layers in one native call (the same kernels, bit-identical outputs, without the host work between them); timed, profiled and fault-injected steps always run op by op.")
+    weight_prepack: bool = _f("weight_prepack", "CPU, bfloat16/float16: pack linear weights once into oneDNN's blocked layout at load (same outputs, faster small-batch GEMMs, a second copy of those weights).")
+    device: str = _f("device", "Device: auto (cuda when available), cpu, cuda.")
+    tp_size: int = _f("tp_size", "Tensor-parallel ranks.")
+    tp_timeout_s: float = _f("tp_timeout_s", "A TP worker that does not answer within this many seconds is an error.")
+    seed: int = _f("seed", "Seed of the engine's default random generator (per-request seeds override it).")
+    num_threads: int = _f("num_threads", "torch intra-op threads on CPU; 0 leaves torch's default.")
+    layer_timing_interval: int = _f("layer_timing_interval", "Time each layer's forward on every Nth step (probes); 0 disables.")
+    router_policy: str = _f("router_policy", "Replica choice: round_robin, least_loaded, prefix_affinity.")
     gateway: GatewayConfig = field(default_factory=GatewayConfig, metadata={"layer": "gateway.queue", "doc": "Gateway settings."})
 
     def __post_init__(self) -> None:
@@ -143,18 +149,6 @@ def config_keys() -> dict[str, dict[str, str]]:
         out[f.name] = {"layer": f.metadata["layer"], "doc": f.metadata["doc"]}
     for f in fields(GatewayConfig):
         out[f"gateway.{f.name}"] = {"layer": f.metadata["layer"], "doc": f.metadata["doc"]}
-    return out
-
-
-def flatten_config(d: Mapping[str, Any]) -> dict[str, Any]:
-    """Flatten a config dict (as in a manifest) to ``key -> value`` with ``gateway.x`` keys."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            for k2, v2 in flatten_config(v).items():
-                out[f"{k}.{k2}"] = v2
-        else:
-            out[k] = v
     return out
 
 

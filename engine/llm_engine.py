@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from layerscope.contract import FINISH_REASON
 from layerscope.engine.block_manager import BlockManager
 from layerscope.engine.config import ConfigError, EngineConfig, ResolvedConfig
 from layerscope.engine.executor import Executor, create_executor
@@ -32,11 +33,6 @@ from layerscope.kernels import resolve_backend
 
 logger = logging.getLogger(__name__)
 
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
 
 
 class LLMEngine:
@@ -256,7 +252,7 @@ class LLMEngine:
             text=text,
             token_ids=list(req.output_token_ids),
             finished=finished,
-            finish_reason=_FINISH_REASONS.get(req.status),
+            finish_reason=FINISH_REASON.get(req.status.value),
             stop_reason=req.stop_reason,
             new_token_ids=[new_id],
             new_text=new_text,

@@ -1,4 +1,4 @@
-"""The run bundle: ``BundleWriter`` writes it, ``read_bundle`` reads and validates it.
+"""The run bundle writer: ``BundleWriter`` writes it (``read_bundle``, from probes/reader.py, reads it).
 
 Layout (schema.py has the tables' columns): ``manifest.json``, one Parquet file per
 table of ``schema.TABLES``, ``metrics.prom``, ``traces/``. Nothing is pickled.
@@ -14,8 +14,13 @@ data: Arrow IPC bytes, text; fine for a multiprocessing queue) or writes
 for each, adds the gateway's own recorder (``add_recorder``) and/or its timestamps as
 rows (``add_request_fields``; client timestamps from a load generator the same way),
 and ``write()``. Request rows are joined on ``request_id`` (first non-null value per
-column, engine parts first) and only then finalized (``requests.finalize_row``), so
-gateway timestamps recorded in another process enter the TTFT decomposition.
+column, engine parts first) and only then finalized (``requests.finalize_row``); the
+TTFT components are then computed over the merged tables by ``breakdown.request_breakdown``,
+the function diagnose uses, so gateway timestamps recorded in another process enter them.
+
+``read_bundle`` is the one bundle reader (diagnose's ``load_run``, the TUI and regressions
+go through it): it validates the manifest and every table and hands out the tables in the
+schema's columns (Arrow, or pandas via ``frame``). Torch-free, engine-free.
 """
 
 from __future__ import annotations
@@ -29,26 +34,25 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerscope.probes import schema
+from layerscope.probes.breakdown import TTFT_COLUMNS, memberships, request_breakdown
 from layerscope.probes.metrics import merge_exposition
+from layerscope.probes.reader import (  # noqa: F401  (Bundle, read_bundle, read_manifest: re-exported)
+    MANIFEST, METRICS_FILE, TRACES_DIR, Bundle, BundleError, check_version, frame, read_bundle, read_json,
+    read_manifest, read_table,
+)
 from layerscope.probes.requests import finalize_row
 from layerscope.probes.tables import summarize
 
-MANIFEST = "manifest.json"
-METRICS_FILE = "metrics.prom"
-TRACES_DIR = "traces"
 PART_FILE = "part.json"
 PART_FORMAT = "layerscope.bundle-part"
-
-
-class BundleError(ValueError):
-    """A run bundle (or part) is missing, incomplete, corrupt or of an unknown schema version."""
-
 
 # ---- low-level writes ----------------------------------------------------------------------
 def _replace_file(path: Path, write) -> None:
@@ -120,6 +124,25 @@ def write_part(source, part_dir: str | Path) -> Path:
     meta = {k: v for k, v in exp.items() if k not in ("tables", "metrics", "traces")}
     write_text(d / PART_FILE, json.dumps(meta, indent=1, default=str))
     return d
+
+
+def with_ttft_components(rows: list[dict[str, Any]], steps: pa.Table, spans: pa.Table) -> list[dict[str, Any]]:
+    """``rows`` (finalized request rows) with their ``ttft_*`` components from ``breakdown.request_breakdown``
+    over the tables being written: the numbers diagnose derives from the bundle. Null for a request
+    the engine never gave a first token (or with no TTFT)."""
+    if not rows:
+        return rows
+    requests = frame(pa.Table.from_pylist(rows, schema=schema.REQUESTS))
+    requests[TTFT_COLUMNS] = np.nan  # derived here, never carried over
+    tables = SimpleNamespace(requests=requests, steps=frame(steps, skip=("request_ids", "request_num_tokens")),
+                             spans=frame(spans), memberships=memberships(steps, requests["request_id"].to_numpy()))
+    bd = request_breakdown(tables)
+    values = bd[TTFT_COLUMNS].to_numpy(np.float64)
+    out = []
+    for i, r in enumerate(rows):
+        known = all(r.get(k) is not None for k in ("engine_arrival_ns", "engine_first_token_ns", "ttft_s"))
+        out.append({**r, **{c: float(values[i, j]) if known else None for j, c in enumerate(TTFT_COLUMNS)}})
+    return out
 
 
 class BundleWriter:
@@ -195,18 +218,18 @@ class BundleWriter:
         """Take a recorder's ``export()`` (e.g. received from a replica process)."""
         if export.get("format") != PART_FORMAT:
             raise BundleError(f"not a layerscope recorder export (format {export.get('format')!r})")
-        _check_version(export, Path("<export>"))
+        check_version(export, Path("<export>"))
         tables = {name: table_from_bytes(export["tables"][name]) for name in schema.TABLES}
         return self._add(export, tables, export.get("metrics", ""), list(export.get("traces", {}).items()))
 
     def add_part(self, part_dir: str | Path) -> "BundleWriter":
         """Take a part directory written by ``write_part`` (another process's recorder)."""
         d = Path(part_dir)
-        meta = _read_json(d / PART_FILE, "bundle part")
+        meta = read_json(d / PART_FILE, "bundle part")
         if meta.get("format") != PART_FORMAT:
             raise BundleError(f"{d / PART_FILE}: not a layerscope bundle part (format {meta.get('format')!r})")
-        _check_version(meta, d / PART_FILE)
-        tables = {name: _read_parquet(d / f"{name}.parquet", sch) for name, sch in schema.TABLES.items()}
+        check_version(meta, d / PART_FILE)
+        tables = {name: read_table(d / f"{name}.parquet", sch) for name, sch in schema.TABLES.items()}
         metrics = (d / METRICS_FILE).read_text() if (d / METRICS_FILE).is_file() else ""
         tdir = d / TRACES_DIR
         traces = [(p.name, p) for p in sorted(tdir.iterdir()) if p.is_file()] if tdir.is_dir() else []
@@ -249,13 +272,15 @@ class BundleWriter:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             os.chmod(tmp, 0o755)
-            rows = self.request_rows()
-            write_table(tmp / "requests.parquet", pa.Table.from_pylist(rows, schema=schema.REQUESTS))
+            tables = {}
             for name, parts in self._tables.items():
                 table = _concat(parts, schema.TABLES[name])
                 if name == "steps" and table.num_rows:
                     table = table.sort_by([("replica", "ascending"), ("step_id", "ascending")])
+                tables[name] = table
                 write_table(tmp / f"{name}.parquet", table)
+            rows = with_ttft_components(self.request_rows(), tables["steps"], tables["spans"])
+            write_table(tmp / "requests.parquet", pa.Table.from_pylist(rows, schema=schema.REQUESTS))
             write_text(tmp / METRICS_FILE, merge_exposition(self._metrics))
             (tmp / TRACES_DIR).mkdir()
             for name, src in self._traces:
@@ -299,117 +324,3 @@ class BundleWriter:
         }
         assert tuple(m) == schema.MANIFEST_KEYS  # the writer and the contract move together
         return m
-
-
-# ---- reading ------------------------------------------------------------------------------------
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise BundleError(f"{path}: missing — not a layerscope {what} (or it was not completely written)")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BundleError(f"{path}: unreadable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise BundleError(f"{path}: expected a JSON object")
-    return data
-
-
-def _check_version(meta: dict[str, Any], path: Path) -> None:
-    v = meta.get("schema_version")
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise BundleError(f"{path}: schema_version is {v!r}, expected an integer")
-    if v > schema.SCHEMA_VERSION:
-        raise BundleError(f"{path}: schema_version {v} is newer than this layerscope reads "
-                          f"(up to {schema.SCHEMA_VERSION}); upgrade layerscope to read this bundle")
-    if v < 1:
-        raise BundleError(f"{path}: unknown schema_version {v}")
-
-
-def _check_parquet(path: Path, sch: pa.Schema) -> None:
-    if not path.is_file():
-        raise BundleError(f"{path}: missing table {path.stem!r}")
-    try:
-        got = pq.read_schema(path)
-    except (pa.ArrowException, OSError) as e:
-        raise BundleError(f"{path}: corrupt or truncated Parquet file ({e})") from None
-    for f in sch:
-        if f.name not in got.names:
-            raise BundleError(f"{path}: column {f.name!r} is missing")
-        if not got.field(f.name).type.equals(f.type) and got.field(f.name).type != pa.null():
-            raise BundleError(f"{path}: column {f.name!r} is {got.field(f.name).type}, expected {f.type}")
-
-
-def _read_parquet(path: Path, sch: pa.Schema) -> pa.Table:
-    _check_parquet(path, sch)
-    try:
-        return pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
-        raise BundleError(f"{path}: corrupt Parquet file ({e})") from None
-
-
-class Bundle:
-    """A validated run bundle. Tables are read on first use (``table``/``df``)."""
-
-    def __init__(self, path: Path, manifest: dict[str, Any]):
-        self.path = path
-        self.manifest = manifest
-        self._cache: dict[str, pa.Table] = {}
-
-    @property
-    def schema_version(self) -> int:
-        return self.manifest["schema_version"]
-
-    def table(self, name: str) -> pa.Table:
-        if name not in schema.TABLES:
-            raise KeyError(f"unknown table {name!r}; tables: {', '.join(schema.TABLES)}")
-        if name not in self._cache:
-            self._cache[name] = _read_parquet(self.path / f"{name}.parquet", schema.TABLES[name])
-        return self._cache[name]
-
-    def df(self, name: str):
-        """The table as a pandas DataFrame."""
-        return self.table(name).to_pandas()
-
-    requests = property(lambda self: self.df("requests"))
-    steps = property(lambda self: self.df("steps"))
-    layers = property(lambda self: self.df("layers"))
-    kernels = property(lambda self: self.df("kernels"))
-    collectives = property(lambda self: self.df("collectives"))
-    spans = property(lambda self: self.df("spans"))
-
-    @property
-    def metrics_text(self) -> str:
-        return (self.path / METRICS_FILE).read_text()
-
-    @property
-    def trace_files(self) -> list[Path]:
-        d = self.path / TRACES_DIR
-        return sorted(p for p in d.iterdir() if p.is_file()) if d.is_dir() else []
-
-    def __repr__(self) -> str:
-        return f"Bundle({str(self.path)!r}, run_id={self.manifest.get('run_id')!r})"
-
-
-def read_bundle(path: str | Path, full: bool = False) -> Bundle:
-    """Open and validate a bundle: manifest (keys, format, schema version), every table's footer and
-    columns, metrics.prom. ``full=True`` also reads every table's data. Raises BundleError naming the file."""
-    p = Path(path)
-    if not p.is_dir():
-        raise BundleError(f"{p}: not a directory (a run bundle is a directory with {MANIFEST})")
-    mpath = p / MANIFEST
-    manifest = _read_json(mpath, "run bundle")
-    if manifest.get("format") != schema.BUNDLE_FORMAT:
-        raise BundleError(f"{mpath}: format is {manifest.get('format')!r}, expected {schema.BUNDLE_FORMAT!r}")
-    _check_version(manifest, mpath)
-    missing = [k for k in schema.MANIFEST_KEYS if k not in manifest]
-    if missing:
-        raise BundleError(f"{mpath}: missing keys {', '.join(missing)}")
-    for name, sch in schema.TABLES.items():
-        _check_parquet(p / f"{name}.parquet", sch)
-    if not (p / METRICS_FILE).is_file():
-        raise BundleError(f"{p / METRICS_FILE}: missing")
-    bundle = Bundle(p, manifest)
-    if full:
-        for name in schema.TABLES:
-            bundle.table(name)
-    return bundle

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from layerscope.contract import FINISH_REASON, tpot_s
 from layerscope.probes.metrics import STEP_PHASES, MetricSet, observe_many
 from layerscope.probes.requests import _events
 
@@ -51,7 +52,6 @@ _REQUEST_HISTOGRAMS = {
     "tpot": "layerscope_time_per_output_token_seconds",
     "itl": "layerscope_inter_token_latency_seconds",
 }
-SUCCESS_REASON = {"finished_stopped": "stop", "finished_length": "length"}
 
 
 class _FlushOnCollect:
@@ -169,7 +169,7 @@ class MetricsFeed:
             outer = recorder.gateway_fields(st.rid)
             # server-side latencies run from the gateway arrival when the gateway told us about it
             start = outer["gateway_arrival_ns"] if outer and outer.get("gateway_arrival_ns") else arrival
-            reason = SUCCESS_REASON.get(info["status"], "abort")
+            reason = FINISH_REASON.get(info["status"], "abort")
             success[reason] = success.get(reason, 0) + 1
             prompt_tokens += info["num_prompt_tokens"]
             if arrival is not None and sched is not None:
@@ -187,7 +187,7 @@ class MetricsFeed:
             vals["decode"].append((fin - first) * 1e-9)
             n = info["num_output_tokens"]
             if n >= 2:
-                vals["tpot"].append((e2e - ttft) / (n - 1))
+                vals["tpot"].append(tpot_s(e2e, ttft, n))
                 prev, itl = first, vals["itl"]
                 for i in st.sampled_idx[1:]:  # token times: the end of sampling in its step
                     step = recorder.step(i)

@@ -6,7 +6,7 @@ with ``layerscope_``, carry their unit, end counters in ``_total`` and mirror vL
 name where the concept is the same.
 
 Every metric has the labels ``model_name`` and ``replica`` (``"gateway"`` for the
-gateway process), then its own. ``layer`` is one of ``schema.LAYERS``, or
+gateway process), then its own. ``layer`` is one of ``contract.LAYERS``, or
 ``"request"`` for end-to-end request latencies that span every layer (TTFT, TPOT,
 ITL, E2E).
 """
@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from layerscope.probes.schema import LAYERS
+from layerscope.contract import FINISH_REASONS, LAYERS
 
 BASE_LABELS = ("model_name", "replica")
 REQUEST_LAYER = "request"  # end-to-end request metrics: they span every layer
@@ -41,7 +41,7 @@ class MetricDef:
     type: str  # counter | gauge | histogram
     help: str
     unit: str  # seconds | tokens | requests | ratio | ...
-    layer: str  # one of schema.LAYERS, or "request"
+    layer: str  # one of contract.LAYERS, or "request"
     labels: tuple[str, ...] = BASE_LABELS
     buckets: tuple[float, ...] | None = None  # histograms only
     label_values: dict[str, tuple[str, ...]] | None = None  # known values, pre-created at 0
@@ -56,7 +56,6 @@ def _m(name, type, unit, layer, help, labels=(), buckets=None, values=None) -> M
 
 
 STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")
-FINISHED_REASONS = ("stop", "length", "abort")
 
 METRICS: tuple[MetricDef, ...] = (
     # ---- request latency (vLLM names) ----
@@ -93,7 +92,7 @@ METRICS: tuple[MetricDef, ...] = (
     _m("layerscope_generation_tokens_total", "counter", "tokens", "engine.output",
        "Output tokens sampled."),
     _m("layerscope_request_success_total", "counter", "requests", "engine.output",
-       "Finished requests, by finish reason.", ("finished_reason",), values={"finished_reason": FINISHED_REASONS}),
+       "Finished requests, by finish reason.", ("finished_reason",), values={"finished_reason": FINISH_REASONS}),
     _m("layerscope_request_errors_total", "counter", "requests", "engine.output",
        "Requests that failed or were refused, by reason (rejected, invalid, timeout, error).", ("reason",)),
     # ---- engine steps and model ----

@@ -1,34 +1,16 @@
-"""requests.parquet rows: lifecycle timestamps, token counts, latencies, TTFT decomposition.
+"""requests.parquet rows: lifecycle timestamps, token counts, latencies.
 
 Rows are built in two stages so that a request served across processes (gateway in
-one, engine replica in another) is decomposed exactly once:
+one, engine replica in another) gets its outer timestamps wherever they were recorded:
 
 1. ``engine_row`` (in the replica, from the request's event log and the steps it took
-   part in) fills the engine columns and decomposes the *engine window*
-   [engine_arrival_ns, engine_first_token_ns].
+   part in) fills the engine columns: timestamps, counts, prefill chunks, ITL.
 2. ``finalize_row`` (where the gateway/client timestamps are known: the same recorder
-   offline, the bundle merge otherwise) adds the outer layers and the server-side and
-   client-side latencies. It reads only columns, so it runs on merged rows as well.
+   offline, the bundle merge otherwise) adds the server-side and client-side latencies
+   (``layerscope.contract``'s formulas). It reads only columns, so it runs on merged rows.
 
-TTFT decomposition (all intervals on the host's monotonic clock):
-
-* ``engine.queue``: [engine arrival, first scheduled].
-* ``engine.kv``: every preempted interval [preempted, resumed].
-* For each engine step the request took part in, up to the one that sampled its first
-  token, the step is cut into slices: ``engine.schedule`` [start, start+schedule] and
-  the input-preparation slice (host time, DESIGN's engine.schedule row), then
-  ``model.forward`` the forward+sample slice that ends where the output phase begins,
-  and ``engine.output`` [output start, end] (detokenization/streaming work of the
-  batch the request waited behind). The step's TP collective time (rank 0) moves
-  from ``model.forward`` to ``parallel.collective``.
-* Where slices overlap (the request is scheduled, or preempted, inside a step's
-  schedule phase) the queue/kv interval wins; each instant counts once.
-* Outer layers (``finalize_row``): ``gateway.queue`` [gateway arrival, admitted],
-  ``gateway.route`` [admitted, engine arrival] (router + IPC), and ``engine.output``
-  also gets [engine first token, gateway first token] (the way back out).
-* ``ttft_residual_s`` is the rest: gaps between steps (the request running but not
-  scheduled for lack of token budget), host time between the phases the engine
-  times. Components plus residual equal ``ttft_s`` by construction.
+The per-layer TTFT components (``ttft_*`` columns) are not computed here: the bundle
+writer fills them with ``breakdown.request_breakdown``, the function diagnose uses.
 
 Per-token times (ITL): a token's time is the end of the sampling phase of the step
 that produced it, except the first (the FIRST_TOKEN event) and the last of a finished
@@ -40,13 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from layerscope.probes.schema import REQUESTS, TTFT_COMPONENTS
+from layerscope.contract import FINISH_REASON, STATUS_ABORTED, interval_s, tpot_s
+from layerscope.probes.schema import REQUESTS
 
 if TYPE_CHECKING:  # no runtime import of the engine: bundle readers use this module
     from layerscope.engine.recorder import StepRecord
     from layerscope.engine.request import RequestEvent
 
-FINISH_REASONS = {"finished_stopped": "stop", "finished_length": "length", "finished_aborted": "abort"}
 COLUMNS = tuple(REQUESTS.names)
 # columns the gateway, router or client own; settable through the recorder / merge
 OUTER_FIELDS = (
@@ -54,15 +36,11 @@ OUTER_FIELDS = (
     "gateway_first_token_ns", "gateway_finished_ns", "client_first_token_ns", "client_done_ns",
     "http_status", "status", "error", "replica",
 )
-_COMPONENT = dict(TTFT_COMPONENTS)  # layer -> column
-_ENGINE_LAYERS = ("engine.queue", "engine.schedule", "engine.kv", "model.forward", "parallel.collective",
-                  "engine.output")
-_PRIORITY = {"engine.kv": 2, "engine.queue": 2}  # request-state intervals win over step slices
 
 
 @dataclass
 class Phase:
-    """One span to create: ``layer`` is a schema.LAYERS id (None for a request root)."""
+    """One span to create: ``layer`` is a contract.LAYERS id (None for a request root)."""
 
     name: str
     layer: str | None
@@ -95,23 +73,6 @@ def _events(events: "Sequence[RequestEvent]") -> dict[str, Any]:
     return out
 
 
-def _sweep(intervals: list[tuple[int, int, str]], lo: int, hi: int) -> dict[str, int]:
-    """Time per label over [lo, hi], each instant to the highest-priority interval covering it."""
-    cuts = sorted({lo, hi, *(min(max(t, lo), hi) for a, b, _ in intervals for t in (a, b))})
-    totals: dict[str, int] = {}
-    clipped = [(max(a, lo), min(b, hi), lab) for a, b, lab in intervals if min(b, hi) > max(a, lo)]
-    for x, y in zip(cuts, cuts[1:]):
-        best, prio = None, -1
-        for a, b, lab in clipped:
-            if a <= x and y <= b:
-                p = _PRIORITY.get(lab, 1)
-                if p > prio:
-                    best, prio = lab, p
-        if best is not None:
-            totals[best] = totals.get(best, 0) + (y - x)
-    return totals
-
-
 def engine_row(
     request_id: str,
     replica: int,
@@ -126,15 +87,16 @@ def engine_row(
 
     ``info``: status, num_prompt_tokens, num_cached_tokens, num_output_tokens,
     num_preemptions, num_recomputed_tokens. ``step_idx``/``sampled_idx``: indices into
-    ``steps`` of the steps it took part in / sampled a token in. ``collective_ns``:
-    collective time per step id (rank 0).
+    ``steps`` of the steps it took part in / sampled a token in. ``collective_ns`` is not
+    read any more (the steps table carries each step's collective time, which the breakdown
+    uses); it stays for the recorder's call.
     """
     ev = _events(events)
     arrival, scheduled, first, finished = (ev.get(k) for k in ("arrival", "scheduled", "first_token", "finished"))
     status = info["status"]
     row: dict[str, Any] = {c: None for c in COLUMNS}
     row.update(
-        request_id=request_id, replica=replica, status=status, finish_reason=FINISH_REASONS.get(status),
+        request_id=request_id, replica=replica, status=status, finish_reason=FINISH_REASON.get(status),
         num_prompt_tokens=info["num_prompt_tokens"], num_cached_tokens=max(info["num_cached_tokens"], 0),
         num_output_tokens=info["num_output_tokens"], num_preemptions=info["num_preemptions"],
         num_recomputed_tokens=info["num_recomputed_tokens"], num_steps=len(step_idx),
@@ -155,39 +117,12 @@ def engine_row(
     token_ns = [steps[i].end_ns - steps[i].output_ns for i in sampled_idx]
     if token_ns and first is not None:
         token_ns[0] = first
-        if finished is not None and status != "finished_aborted" and len(token_ns) > 1:
+        if finished is not None and status != STATUS_ABORTED and len(token_ns) > 1:
             token_ns[-1] = max(finished, token_ns[-2])
     gaps = [b - a for a, b in zip(token_ns, token_ns[1:])]
     if gaps:
         row["itl_mean_s"] = sum(gaps) / len(gaps) / 1e9
         row["itl_max_s"] = max(gaps) / 1e9
-
-    # engine-window TTFT decomposition
-    if arrival is not None and first is not None:
-        intervals: list[tuple[int, int, str]] = []
-        if scheduled is not None:
-            intervals.append((arrival, scheduled, "engine.queue"))
-        intervals += [(a, b, "engine.kv") for a, b in ev["preempted"]]
-        coll = 0
-        for i in step_idx:
-            st = steps[i]
-            if st.start_ns >= first:
-                break
-            t2 = st.end_ns - st.output_ns
-            t_fwd = t2 - st.forward_ns - st.sample_ns
-            intervals.append((st.start_ns, st.start_ns + st.schedule_ns, "engine.schedule"))
-            intervals.append((t_fwd - st.prepare_ns, t_fwd, "engine.schedule"))  # input preparation
-            intervals.append((t_fwd, t2, "model.forward"))
-            intervals.append((t2, st.end_ns, "engine.output"))
-            coll += collective_ns.get(st.step_id, 0)
-        totals = _sweep(intervals, arrival, first)
-        coll = min(coll, totals.get("model.forward", 0))
-        if coll:
-            totals["model.forward"] -= coll
-            totals["parallel.collective"] = coll
-        for layer, col in TTFT_COMPONENTS:
-            row[col] = totals.get(layer, 0) / 1e9 if layer in _ENGINE_LAYERS else None
-        row["ttft_residual_s"] = (first - arrival - sum(totals.values())) / 1e9
 
     phases = _engine_phases(row, ev["preempted"], steps[step_idx[-1]].end_ns if step_idx else None)
     return row, phases, token_ns
@@ -227,45 +162,25 @@ def gateway_phases(row: dict[str, Any]) -> list[Phase]:
     return out
 
 
-def _diff(a: int | None, b: int | None) -> float | None:
-    return None if a is None or b is None else (b - a) / 1e9
-
-
 def finalize_row(raw: dict[str, Any]) -> dict[str, Any]:
-    """Add outer-layer components and server/client latencies to an engine (or gateway-only) row.
+    """Add server/client latencies to an engine (or gateway-only) row.
 
-    Server side runs from gateway arrival when known, else engine arrival; the TTFT
-    components of the engine window are kept and the outer ones added around them.
+    Server side runs from gateway arrival when known, else engine arrival, to the first token
+    (and the last) the gateway streamed, else the engine produced.
     """
     row = {c: raw.get(c) for c in COLUMNS}
-    g_arr, g_adm = row["gateway_arrival_ns"], row["gateway_admitted_ns"]
+    g_arr = row["gateway_arrival_ns"]
     e_arr, e_first, e_fin = row["engine_arrival_ns"], row["engine_first_token_ns"], row["engine_finished_ns"]
     start = g_arr if g_arr is not None else e_arr
     first = row["gateway_first_token_ns"] if row["gateway_first_token_ns"] is not None else e_first
     done = row["gateway_finished_ns"] if row["gateway_finished_ns"] is not None else e_fin
-    row["ttft_s"] = _diff(start, first)
-    row["e2e_s"] = _diff(start, done) if first is not None else None
+    row["ttft_s"] = interval_s(start, first)
+    row["e2e_s"] = interval_s(start, done) if first is not None else None
     n = row["num_output_tokens"] or 0
-    row["tpot_s"] = (row["e2e_s"] - row["ttft_s"]) / (n - 1) if n >= 2 and row["e2e_s"] is not None else None
+    row["tpot_s"] = tpot_s(row["e2e_s"], row["ttft_s"], n)
     c_send = row["client_send_ns"]
-    row["client_ttft_s"] = _diff(c_send, row["client_first_token_ns"])
-    row["client_e2e_s"] = _diff(c_send, row["client_done_ns"]) if row["client_ttft_s"] is not None else None
-    if n >= 2 and row["client_e2e_s"] is not None:
-        row["client_tpot_s"] = (row["client_e2e_s"] - row["client_ttft_s"]) / (n - 1)
-    if row["ttft_s"] is None or row["ttft_residual_s"] is None:
-        for _, col in TTFT_COMPONENTS:
-            row[col] = None
-        row["ttft_residual_s"] = None
-        return row
-    if g_arr is not None and e_arr is not None:
-        q = _diff(g_arr, g_adm) if g_adm is not None else 0.0
-        row[_COMPONENT["gateway.queue"]] = q
-        row[_COMPONENT["gateway.route"]] = _diff(g_adm if g_adm is not None else g_arr, e_arr)
-    else:
-        row[_COMPONENT["gateway.queue"]] = row[_COMPONENT["gateway.route"]] = 0.0
-    if row["gateway_first_token_ns"] is not None and e_first is not None:
-        tail = _diff(e_first, row["gateway_first_token_ns"])
-        row[_COMPONENT["engine.output"]] = (row[_COMPONENT["engine.output"]] or 0.0) + tail
-    # the residual absorbs rounding: components + residual == ttft_s
-    row["ttft_residual_s"] = row["ttft_s"] - sum(row[c] or 0.0 for _, c in TTFT_COMPONENTS)
+    row["client_ttft_s"] = interval_s(c_send, row["client_first_token_ns"])
+    row["client_e2e_s"] = interval_s(c_send, row["client_done_ns"]) if row["client_ttft_s"] is not None else None
+    if n >= 2 and row["client_e2e_s"] is not None:  # else keep what the client reported
+        row["client_tpot_s"] = tpot_s(row["client_e2e_s"], row["client_ttft_s"], n)
     return row

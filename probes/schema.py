@@ -6,42 +6,20 @@ monotonic clock (``time.monotonic_ns()``, shared by every process on one host),
 ``_s`` durations in seconds, ``num_`` counts. A missing timestamp is null.
 
 Bump SCHEMA_VERSION on any incompatible change; readers refuse versions they don't know.
+Layer ids, statuses and the metric formulas are ``layerscope.contract``'s.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
+from layerscope.contract import BREAKDOWN_LAYERS, LAYERS, component_column  # noqa: F401  (LAYERS: re-export)
+
 SCHEMA_VERSION = 1
 BUNDLE_FORMAT = "layerscope.bundle"
 
-LAYERS = (
-    "client",
-    "gateway.queue",
-    "gateway.route",
-    "engine.queue",
-    "engine.schedule",
-    "engine.kv",
-    "model.forward",
-    "parallel.collective",
-    "kernel.compute",
-    "kernel.launch_gap",
-    "engine.output",
-    "hardware",
-    "workload",
-)
-
 # TTFT components, in request order; their sum plus ttft_residual_s equals ttft_s.
-TTFT_COMPONENTS = (
-    ("gateway.queue", "ttft_gateway_queue_s"),
-    ("gateway.route", "ttft_gateway_route_s"),
-    ("engine.queue", "ttft_engine_queue_s"),
-    ("engine.schedule", "ttft_engine_schedule_s"),
-    ("engine.kv", "ttft_engine_kv_s"),
-    ("model.forward", "ttft_model_forward_s"),
-    ("parallel.collective", "ttft_parallel_collective_s"),
-    ("engine.output", "ttft_engine_output_s"),
-)
+TTFT_COMPONENTS = tuple((layer, component_column("ttft", layer)) for layer in BREAKDOWN_LAYERS)
 
 _ts = pa.int64()
 _s = pa.float64()

@@ -3,11 +3,11 @@ and the manifest's headline summary."""
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 import pyarrow as pa
 
+from layerscope.contract import is_finished, percentiles
 from layerscope.probes import schema
 
 if TYPE_CHECKING:
@@ -53,19 +53,6 @@ def collectives_table(records: "Sequence[CollectiveRecord]", replica: int) -> pa
                         r.wait_ns / 1e9) for r in records], schema.COLLECTIVES)
 
 
-def _pcts(values: list[float]) -> dict[str, Any]:
-    vals = sorted(v for v in values if v is not None and not math.isnan(v))
-    out: dict[str, Any] = {"count": len(vals)}
-    for p in (50, 90, 99):
-        if not vals:
-            out[f"p{p}"] = None
-            continue
-        k = (len(vals) - 1) * p / 100  # linear interpolation (numpy's default)
-        lo, hi = math.floor(k), math.ceil(k)
-        out[f"p{p}"] = vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
-    return out
-
-
 def summarize(rows: list[dict[str, Any]], num_steps: int = 0) -> dict[str, Any]:
     """Headline figures: requests, duration_s, output_tokens_per_s (busy interval), TTFT/TPOT/E2E percentiles."""
     starts = [r.get("gateway_arrival_ns") or r.get("engine_arrival_ns") for r in rows]
@@ -74,7 +61,7 @@ def summarize(rows: list[dict[str, Any]], num_steps: int = 0) -> dict[str, Any]:
     ends = [e for e in ends if e is not None]
     duration = (max(ends) - min(starts)) / 1e9 if starts and ends else 0.0
     out_tokens = sum(r.get("num_output_tokens") or 0 for r in rows)
-    finished = [r for r in rows if (r.get("status") or "").startswith("finished")]
+    finished = [r for r in rows if is_finished(r.get("status"))]
     return {
         "requests": len(rows),
         "requests_finished": len(finished),
@@ -83,7 +70,7 @@ def summarize(rows: list[dict[str, Any]], num_steps: int = 0) -> dict[str, Any]:
         "duration_s": duration,
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / duration if duration > 0 else None,
-        "ttft_s": _pcts([r.get("ttft_s") for r in rows]),
-        "tpot_s": _pcts([r.get("tpot_s") for r in rows]),
-        "e2e_s": _pcts([r.get("e2e_s") for r in rows]),
+        "ttft_s": percentiles([r.get("ttft_s") for r in rows]),
+        "tpot_s": percentiles([r.get("tpot_s") for r in rows]),
+        "e2e_s": percentiles([r.get("e2e_s") for r in rows]),
     }

@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from layerscope.contract import STATUS_OF_FINISH_REASON, STATUS_STOPPED
+
 PROFILES = {
     # --profile -> ProbeRecorder knobs (the level becomes "full")
     "kernels": {"pyspy": False},
@@ -111,7 +113,6 @@ def _bundle_writer_class():
     return RunBundleWriter
 
 
-_CLIENT_STATUS = {"length": "finished_length", "stop": "finished_stopped", "abort": "finished_aborted"}
 
 
 def client_rows(result) -> list[dict[str, Any]]:
@@ -121,7 +122,7 @@ def client_rows(result) -> list[dict[str, Any]]:
         row = rec.to_row()
         row["request_id"] = rec.request_id or f"client-{rec.index}"
         if rec.status == "ok":
-            row["status"] = _CLIENT_STATUS.get(rec.finish_reason or "", "finished_stopped")
+            row["status"] = STATUS_OF_FINISH_REASON.get(rec.finish_reason or "", STATUS_STOPPED)
         else:
             row["status"] = rec.status  # rejected | error
         rows.append(row)

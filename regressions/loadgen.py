@@ -33,14 +33,15 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
+from layerscope.contract import RequestTimes, interval_s
+from layerscope.contract import percentiles as contract_percentiles
 from layerscope.regressions.workloads import RequestSpec, WorkloadSpec
-
-PERCENTILES = (50, 90, 99)
 
 
 @dataclass
-class ClientRecord:
-    """One request as the client saw it. Timestamps: ns on the host's monotonic clock."""
+class ClientRecord(RequestTimes):
+    """One request as the client saw it. Timestamps: ns on the host's monotonic clock. ``tpot_s``/``itl_s``:
+    ``RequestTimes``."""
 
     index: int
     api: str
@@ -67,26 +68,11 @@ class ClientRecord:
 
     @property
     def ttft_s(self) -> float | None:
-        if self.client_first_token_ns is None or self.client_send_ns is None:
-            return None
-        return (self.client_first_token_ns - self.client_send_ns) / 1e9
+        return interval_s(self.client_send_ns, self.client_first_token_ns)
 
     @property
     def e2e_s(self) -> float | None:
-        if self.client_done_ns is None or self.client_send_ns is None or not self.ok:
-            return None
-        return (self.client_done_ns - self.client_send_ns) / 1e9
-
-    @property
-    def tpot_s(self) -> float | None:
-        n = self.num_output_tokens
-        if n < 2 or self.e2e_s is None or self.ttft_s is None:
-            return None
-        return (self.e2e_s - self.ttft_s) / (n - 1)
-
-    @property
-    def itl_s(self) -> list[float]:
-        return [(b - a) / 1e9 for a, b in zip(self.token_ns, self.token_ns[1:])]
+        return interval_s(self.client_send_ns, self.client_done_ns) if self.ok else None
 
     def to_row(self) -> dict[str, Any]:
         """Client columns of requests.parquet (schema names) plus the join key."""
@@ -271,21 +257,10 @@ def _error_message(raw: bytes) -> str | None:
 # ---- statistics -------------------------------------------------------------------------------
 def percentiles(values: Sequence[float]) -> dict[str, float | int | None]:
     """p50/p90/p99 and mean (linear interpolation), with the sample count."""
-    xs = sorted(v for v in values if v is not None)
-    out: dict[str, float | int | None] = {"count": len(xs)}
-    for p in PERCENTILES:
-        out[f"p{p}"] = _quantile(xs, p / 100.0)
+    xs = [v for v in values if v is not None]
+    out: dict[str, float | int | None] = contract_percentiles(xs)
     out["mean"] = sum(xs) / len(xs) if xs else None
     return out
-
-
-def _quantile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def summarize(records: Sequence[ClientRecord], slos: dict[str, float] | None = None) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import pandas as pd
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.load import Run
 from layerscope.diagnose.comparison import GOODPUT, LATENCY_METRICS, THROUGHPUT, meets_slo
-from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_indices, compare_quantile, compare_rate
+from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_indices, compare_quantile, compare_rate, quantile
 
 METRIC_NAMES = tuple(name for name, *_ in LATENCY_METRICS) + (THROUGHPUT, GOODPUT)
 _LATENCY = {name: (m, q, kind) for name, m, q, kind in LATENCY_METRICS}
@@ -94,9 +94,7 @@ def headline(runs: Sequence[RunAnalysis], metric: str, slo: dict[str, float]) ->
     """The pooled value of ``metric`` for one version (seconds, tokens/s or requests/s)."""
     if metric in _LATENCY:
         m, q, _ = _LATENCY[metric]
-        v = pooled_values(runs, m)
-        v = v[~np.isnan(v)]
-        return float(np.quantile(v, q)) if len(v) else math.nan
+        return quantile(pooled_values(runs, m), q)
     busy = sum(a.busy_s for a in runs)
     if busy <= 0:
         return math.nan

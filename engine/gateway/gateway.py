@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
+from layerscope.contract import STATUS_OF_FINISH_REASON
 from layerscope.engine.config import ConfigError, EngineConfig
 from layerscope.engine.faults import Faults
 from layerscope.engine.gateway.admission import AdmissionController, QueueFullError
@@ -52,7 +53,6 @@ from layerscope.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_STATUS = {"stop": "finished_stopped", "length": "finished_length", "abort": "finished_aborted"}
 
 
 def load_gateway_tokenizer(model_dir: str | Path):
@@ -262,7 +262,7 @@ class Gateway:
             if replica.alive:
                 replica.send(AbortRequest(rec.request_id))
             rec.finish_reason = "abort"
-        rec.status = "error" if error and rec.finish_reason != "abort" else _STATUS.get(rec.finish_reason, "error")
+        rec.status = "error" if error and rec.finish_reason != "abort" else STATUS_OF_FINISH_REASON.get(rec.finish_reason, "error")
         rec.error = error
         self._streams.pop(rec.request_id, None)
         if rec.replica is not None:

@@ -7,13 +7,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from layerscope.contract import RequestTimes, interval_s
 from layerscope.engine.gateway.protocol import APIError
 from layerscope.engine.gateway.messages import TokenDelta
 
 
 @dataclass
-class GatewayRecord:
-    """One request as the gateway saw it. Timestamps: ns, host monotonic clock."""
+class GatewayRecord(RequestTimes):
+    """One request as the gateway saw it. Timestamps: ns, host monotonic clock. ``tpot_s``/``itl_s``:
+    ``RequestTimes``."""
 
     request_id: str
     api: str  # completions | chat
@@ -41,26 +43,13 @@ class GatewayRecord:
 
     @property
     def ttft_s(self) -> float | None:
-        if self.gateway_first_token_ns is None:
-            return None
-        return (self.gateway_first_token_ns - self.gateway_arrival_ns) / 1e9
+        return interval_s(self.gateway_arrival_ns, self.gateway_first_token_ns)
 
     @property
     def e2e_s(self) -> float | None:
-        if self.gateway_finished_ns is None or self.gateway_first_token_ns is None:
+        if self.gateway_first_token_ns is None:
             return None
-        return (self.gateway_finished_ns - self.gateway_arrival_ns) / 1e9
-
-    @property
-    def tpot_s(self) -> float | None:
-        """(E2E - TTFT) / (output tokens - 1), DESIGN.md's definition; None below 2 tokens."""
-        if self.num_output_tokens < 2 or self.e2e_s is None:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
-
-    @property
-    def itl_s(self) -> list[float]:
-        return [(b - a) / 1e9 for a, b in zip(self.token_ns, self.token_ns[1:])]
+        return interval_s(self.gateway_arrival_ns, self.gateway_finished_ns)
 
     def to_row(self) -> dict[str, Any]:
         """The requests.parquet columns the gateway owns (schema names)."""

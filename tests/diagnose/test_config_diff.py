@@ -1,4 +1,5 @@
-"""Config diff: the key -> layer table mirrors the engine's registry; diffs name key, values, layer."""
+"""Config diff: the engine's config and diagnose read one key table (layerscope.contract); diffs name
+key, values, layer."""
 
 import json
 
@@ -6,7 +7,8 @@ from layerscope.diagnose.config_diff import CONFIG_DEFAULTS, CONFIG_LAYERS, conf
 from layerscope.diagnose.load import load_run
 
 
-def test_table_equals_engine_config_keys():
+def test_engine_config_and_contract_cover_the_same_keys():
+    """The engine builds its fields from the contract's table: every field has a row, every row a field."""
     from layerscope.engine.config import EngineConfig, config_keys, flatten_config  # the test may import it
 
     assert CONFIG_LAYERS == {k: v["layer"] for k, v in config_keys().items()}

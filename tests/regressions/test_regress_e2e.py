@@ -44,10 +44,10 @@ def clone(tmp_path_factory) -> tuple[Path, str]:
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(dest)], check=True)
     base = git(dest, "rev-parse", "HEAD")
     git(dest, "checkout", "-q", "-b", BRANCH)
-    config = dest / "engine" / "config.py"
+    config = dest / "src" / "layerscope" / "contract.py"  # CONFIG_KEYS: each config key's layer and default
     text = config.read_text()
-    changed = text.replace("max_num_seqs: int = _f(64,", "max_num_seqs: int = _f(2,")
-    assert changed != text, "engine/config.py no longer declares max_num_seqs with default 64"
+    changed = text.replace('"max_num_seqs": ("engine.queue", 64),', '"max_num_seqs": ("engine.queue", 2),')
+    assert changed != text, "layerscope/contract.py no longer declares max_num_seqs with default 64"
     config.write_text(changed)
     git(dest, "commit", "-q", "-am", "engine: max_num_seqs default 2")
     return dest, base
