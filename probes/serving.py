@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from layerscope.engine.recorder import GatewayRecorder, GatewayRequest, Recorder, RecorderFactory
-from layerscope.probes.feed import SUCCESS_REASON
+from layerscope.contract import FINISH_REASON
 from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
 from layerscope.probes.recorder import LEVELS, ProbeRecorder
 from layerscope.probes.requests import gateway_phases
@@ -65,7 +65,7 @@ class EngineMetricsRecorder(Recorder):
 
     def on_request_finished(self, request) -> None:
         m = self.metrics
-        m.child("layerscope_request_success_total", SUCCESS_REASON.get(request.status.value, "abort")).inc()
+        m.child("layerscope_request_success_total", FINISH_REASON.get(request.status.value, "abort")).inc()
         m.child("layerscope_prompt_tokens_total").inc(request.num_prompt_tokens)
         if request.num_output_tokens:
             m.child("layerscope_generation_tokens_total").inc(request.num_output_tokens)
