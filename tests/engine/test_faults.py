@@ -172,3 +172,15 @@ def test_every_fault_matrix_case_passes_the_checks(tiny_model):
         gateway = build_gateway(args, record=True)  # not started: only checked
         checked.update(gateway.faults.to_dict())
     assert checked == set(FAULTS)  # every fault is in the matrix, and each passed its checks
+
+
+def test_layer_delay_lands_inside_its_row(tiny_model):
+    from layerscope.engine.llm import LLM
+    from layerscope.engine.sampling_params import SamplingParams
+    from layerscope.probes.recorder import ProbeRecorder
+
+    rec = ProbeRecorder("default", model_name="tiny", layer_timing_interval=1)
+    with LLM(model=str(tiny_model), recorder=rec, faults=Faults.parse(["model.layer_delay=layers.1.mlp:15"])) as llm:
+        llm.generate(["hello world"], SamplingParams(max_tokens=3, ignore_eos=True))
+    rows = [dict(times) for _, times in rec.recorded_since(0, 0).layer_times]
+    assert rows and all(r["layers.1.mlp"] >= 15e6 and r["layers.0.mlp"] < 15e6 for r in rows)
