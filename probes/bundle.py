@@ -111,6 +111,24 @@ def make_export(recorder) -> dict[str, Any]:
     }
 
 
+def make_drain(recorder, tables: dict[str, pa.Table], write_from_step_id: int | None) -> dict[str, Any]:
+    """A recorder's ``drain()`` as plain data (what ``rolling.RollingBundleWriter.add`` takes): like an
+    export, with only the tables drained (absent: empty), and ``write_from_step_id``: the steps rows
+    from that step id on are new, the earlier ones context for the drained requests' breakdown."""
+    return {
+        "format": PART_FORMAT,
+        "schema_version": schema.SCHEMA_VERSION,
+        "replica": str(recorder.replica),
+        "probes": recorder.level,
+        "config": recorder.config,
+        "resolved": recorder.resolved,
+        "start_ns": recorder.start_ns,
+        "num_steps": recorder.num_steps,
+        "write_from_step_id": write_from_step_id,
+        "tables": {name: table_to_bytes(t) for name, t in tables.items()},
+    }
+
+
 def write_part(source, part_dir: str | Path) -> Path:
     """Write a recorder (or its ``export()``) as a bundle part directory; return its path."""
     exp = source.export() if hasattr(source, "export") else source

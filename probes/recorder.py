@@ -24,6 +24,7 @@ exposes (``metrics.exposed_by``): gateway metrics in the gateway, engine ones he
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -87,8 +88,12 @@ class ProbeRecorder(Recorder):
         self.resolved: dict[str, Any] | None = None
         self.start_ns: int | None = None
         self.end_ns: int | None = None
-        self._steps: list[StepRecord] = []
+        self._steps: list[StepRecord] = []  # steps from index _step_base on (drain() drops older ones)
         self._sampled: list[int] = []  # tokens sampled per step, beside _steps
+        self._step_base = 0  # absolute index (in recording order) of _steps[0]
+        self._layer_base = 0  # absolute index of _layer_times[0]
+        self._steps_drained = 0  # absolute index of the first step no drain() has handed out
+        self._stale: set[str] = set()  # gateway fields of requests never seen, as of the last drain
         self._feed: MetricsFeed | None = None
         self._coll_ns: dict[int, int] = {}  # rank-0 collective time per step id
         self._layer_times: list[tuple[int, list[tuple[str, int]]]] = []
@@ -183,7 +188,7 @@ class ProbeRecorder(Recorder):
     def on_step(self, step: StepRecord, layer_times) -> None:
         if not self.enabled:
             return
-        idx = len(self._steps)
+        idx = self._step_base + len(self._steps)
         self._steps.append(step)
         live = self._live
         sampled = 0
@@ -201,7 +206,7 @@ class ProbeRecorder(Recorder):
         if layer_times:
             self._layer_times.append((step.step_id, layer_times))
         if self._feed is not None:
-            self._feed.step_recorded(len(self._steps), not (step.num_running or step.num_waiting), self)
+            self._feed.step_recorded(idx + 1, not (step.num_running or step.num_waiting), self)
 
     def flush_metrics(self) -> None:
         """Put what was recorded since the last flush into Prometheus (the step loop does every
@@ -263,8 +268,12 @@ class ProbeRecorder(Recorder):
     def _build(self, st: _Req, coll: dict[int, int] | None = None) -> None:
         """The request's engine row and its trace (once per request)."""
         rid = st.rid
-        row, phases, _ = engine_row(rid, self._replica_col, st.info, st.events, self._steps, st.step_idx,
-                                    st.sampled_idx, coll if coll is not None else self._coll_ns)
+        base = self._step_base
+        step_idx, sampled_idx = st.step_idx, st.sampled_idx
+        if base:  # drain() dropped older steps: indices into what is kept
+            step_idx, sampled_idx = [i - base for i in step_idx], [i - base for i in sampled_idx]
+        row, phases, _ = engine_row(rid, self._replica_col, st.info, st.events, self._steps, step_idx,
+                                    sampled_idx, coll if coll is not None else self._coll_ns)
         view = _fill(dict(row), self._outer.get(rid, {}))
         tp = self._traceparents.get(rid)  # from the gateway (this process's gateway_begin, or another's)
         if tp is None and rid in self._outer:
@@ -325,6 +334,69 @@ class ProbeRecorder(Recorder):
 
         return make_export(self)
 
+    def drain(self) -> dict[str, Any] | None:
+        """What is done since the last drain, as plain data (``bundle.make_drain``), dropped from memory.
+
+        Finished requests' rows (not finalized; their gateway fields joined) and, for the breakdown
+        the writer computes, every step from the first one they took part in (``steps``; the rows
+        from step id ``write_from_step_id`` on are the ones not handed out before); layer times,
+        collectives, kernels and spans recorded since. Steps a live request still references stay.
+        """
+        if not self.enabled:
+            return None
+        from layerscope.probes.bundle import make_drain
+
+        self.flush_metrics()  # the metrics feed has what it reads of the steps before they go
+        coll = self._coll_ns
+        done, self._done = self._done, []
+        rows = []
+        end = self.num_steps
+        lo = min(self._steps_drained, end)
+        for st in done:
+            if st.row is None:
+                self._build(st, coll)
+            rows.append(_fill(dict(st.row), self._outer.pop(st.rid, {})))
+            self._traceparents.pop(st.rid, None)
+            if st.step_idx:
+                lo = min(lo, st.step_idx[0])
+        # gateway fields of requests this replica never ran (refused by the engine): one drain's grace
+        unknown = {rid for rid in self._outer if rid not in self._live}
+        for rid in unknown & self._stale:
+            rows.append(_fill({c: None for c in schema.REQUESTS.names}, {"request_id": rid, **self._outer.pop(rid)}))
+            self._traceparents.pop(rid, None)
+        self._stale = unknown - self._stale
+        base = self._step_base
+        context = self._steps[lo - base:]
+        write_from = self._steps[self._steps_drained - base].step_id if self._steps_drained < end else None
+        kernels = self.profiler.rows if self.profiler is not None else []
+        spans = self.tracer.exporter.rows
+        out = make_drain(self, {
+            "requests": pa.Table.from_pylist(rows, schema=schema.REQUESTS),
+            "steps": steps_table(context, self._replica_col, coll),
+            "layers": layers_table(self._layer_times, self._replica_col),
+            "kernels": rows_table(kernels, schema.KERNELS),
+            "collectives": collectives_table(self._collectives, self._replica_col),
+            "spans": rows_table(spans, schema.SPANS),
+        }, write_from)
+        # drop what was handed out: steps before the first one a live request took part in
+        keep = min([st.step_idx[0] for st in self._live.values() if st.step_idx] + [end])
+        lock = self._feed._lock if self._feed is not None else _NO_LOCK
+        with lock:
+            del self._steps[:keep - base]
+            del self._sampled[:keep - base]
+            self._step_base = keep
+            self._layer_base += len(self._layer_times)
+            self._layer_times = []
+        self._steps_drained = end
+        first_kept = self._steps[0].step_id if self._steps else None
+        for sid in [k for k in coll if first_kept is None or k < first_kept]:
+            del coll[sid]
+        self._collectives = []
+        if self.profiler is not None:
+            del self.profiler.rows[:]
+        del spans[:]
+        return out
+
     def metrics_text(self) -> str:
         """The Prometheus exposition of this recorder's registry ('' when off)."""
         if self.metrics is None:
@@ -348,11 +420,13 @@ class ProbeRecorder(Recorder):
     def recorded_since(self, num_steps: int, num_layer_samples: int) -> Recorded:
         """Steps after the first ``num_steps``, the tokens sampled in them, and layer-time samples after
         the first ``num_layer_samples``."""
-        return Recorded(self._steps[num_steps:], sum(self._sampled[num_steps:]), self._layer_times[num_layer_samples:])
+        i = max(num_steps - self._step_base, 0)
+        return Recorded(self._steps[i:], sum(self._sampled[i:]),
+                        self._layer_times[max(num_layer_samples - self._layer_base, 0):])
 
     def step(self, index: int) -> StepRecord:
         """The ``index``-th recorded step (0-based, in recording order)."""
-        return self._steps[index]
+        return self._steps[index - self._step_base]
 
     def gateway_fields(self, request_id: str) -> dict[str, Any] | None:
         """The gateway's fields of ``request_id`` (``set_request_timestamps``), or None."""
@@ -370,7 +444,7 @@ class ProbeRecorder(Recorder):
 
     @property
     def num_steps(self) -> int:
-        return len(self._steps)
+        return self._step_base + len(self._steps)
 
     def shutdown(self) -> None:
         """Release the tracer (flushes OTLP) and our temporary trace directory; call after writing."""
@@ -380,6 +454,9 @@ class ProbeRecorder(Recorder):
             import shutil
 
             shutil.rmtree(self.trace_dir, ignore_errors=True)
+
+
+_NO_LOCK = contextlib.nullcontext()
 
 
 def _fill(row: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probes", default="default", choices=PROBE_LEVELS, help="what to record")
 
 
-def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFactory | None = None):
+def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFactory | None = None,
+                  rolling: bool = False):
     """EngineConfig + Faults from the command line, and a Gateway (not started yet): a bad ``--set`` or
     ``--fault`` (or one this run cannot have) is an error here, before anything starts.
 
@@ -36,4 +37,5 @@ def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFac
     config = EngineConfig.from_overrides(**overrides)
     faults = Faults.parse(args.fault)
     return Gateway(config, faults, num_replicas=args.replicas, recorders=recorders,
-                   served_model_name=getattr(args, "served_model_name", None), record=record)
+                   served_model_name=getattr(args, "served_model_name", None), record=record,
+                   rolling=rolling)

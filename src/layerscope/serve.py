@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+from datetime import datetime
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -19,13 +20,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    gateway = build_gateway(args, record=False, recorders=recorders(args.probes))
+    rolling = args.probes != "off" and args.bundle != "none"
+    writer = None
+    if rolling:  # checked before anything starts: a bad --retention or a bundle directory in the way
+        from layerscope.probes.rolling import RollingBundleWriter, parse_retention
+
+        retention_s, retention_bytes = parse_retention(args.retention)
+        if args.bundle_interval <= 0:
+            raise ValueError(f"--bundle-interval must be > 0 seconds, got {args.bundle_interval}")
+        out = args.bundle or os.path.join("runs", f"serve-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        writer = RollingBundleWriter(out, probes=args.probes, retention_s=retention_s,
+                                     retention_bytes=retention_bytes)
+    gateway = build_gateway(args, record=False, recorders=recorders(args.probes), rolling=rolling)
+    bundle = None
     try:
         print(f"layerscope serve: starting {args.replicas} replica(s) of {args.model} ...", file=sys.stderr, flush=True)
         gateway.start(timeout_s=args.startup_timeout)
+        if writer is not None:
+            from layerscope.probes.rolling import RollingBundle
+
+            bundle = RollingBundle(gateway, writer, args.bundle_interval).start()
+            print(f"layerscope serve: rolling bundle {writer.out} (a part every {args.bundle_interval:g} s)",
+                  file=sys.stderr, flush=True)
         serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True))
     finally:
-        gateway.shutdown()
+        try:
+            if bundle is not None:
+                print(f"layerscope serve: bundle {bundle.close()} complete", file=sys.stderr, flush=True)
+        finally:
+            gateway.shutdown()
     return 0
 
 
@@ -40,4 +63,10 @@ def add_parser(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $LAYERSCOPE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the --model path)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the replicas to load")
+    p.add_argument("--bundle", default=None, metavar="DIR",
+                   help="rolling run bundle written as the server runs (default: runs/serve-<time>; 'none': no bundle)")
+    p.add_argument("--bundle-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="write a part of the bundle every SECONDS (a crash loses at most the last interval)")
+    p.add_argument("--retention", default=None, metavar="AGE|SIZE",
+                   help="keep only the last parts of the bundle: 6h, 30m, 2d or 2GB, 500MB (default: all)")
     p.set_defaults(func=cmd_serve)
