@@ -48,6 +48,7 @@ from layerscope.probes.reader import (  # noqa: F401  (Bundle, read_bundle, read
     MANIFEST, METRICS_FILE, TRACES_DIR, Bundle, BundleError, check_version, frame, read_bundle, read_json,
     read_manifest, read_table,
 )
+from layerscope.probes.recorder import make_drain, table_to_bytes  # noqa: F401  (make_drain: re-exported)
 from layerscope.probes.requests import finalize_row
 from layerscope.probes.tables import summarize
 
@@ -80,14 +81,6 @@ def _concat(tables: list[pa.Table], sch: pa.Schema) -> pa.Table:
 
 
 # ---- exports and parts (one per process) ------------------------------------------------------------
-def table_to_bytes(table: pa.Table) -> bytes:
-    """Arrow IPC stream bytes (for an export crossing a process boundary)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
 def table_from_bytes(data: bytes) -> pa.Table:
     return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
@@ -108,24 +101,6 @@ def make_export(recorder) -> dict[str, Any]:
         "tables": {name: table_to_bytes(t) for name, t in recorder.tables(finalize=False).items()},
         "metrics": recorder.metrics_text(),
         "traces": {f.name: f.read_bytes() for f in recorder.trace_files()},
-    }
-
-
-def make_drain(recorder, tables: dict[str, pa.Table], write_from_step_id: int | None) -> dict[str, Any]:
-    """A recorder's ``drain()`` as plain data (what ``rolling.RollingBundleWriter.add`` takes): like an
-    export, with only the tables drained (absent: empty), and ``write_from_step_id``: the steps rows
-    from that step id on are new, the earlier ones context for the drained requests' breakdown."""
-    return {
-        "format": PART_FORMAT,
-        "schema_version": schema.SCHEMA_VERSION,
-        "replica": str(recorder.replica),
-        "probes": recorder.level,
-        "config": recorder.config,
-        "resolved": recorder.resolved,
-        "start_ns": recorder.start_ns,
-        "num_steps": recorder.num_steps,
-        "write_from_step_id": write_from_step_id,
-        "tables": {name: table_to_bytes(t) for name, t in tables.items()},
     }
 
 

@@ -43,11 +43,12 @@ LEVELS = ("off", "default", "full")
 class _Req:
     """What the recorder keeps about one request (appended to on the hot path)."""
 
-    __slots__ = ("rid", "req", "events", "step_idx", "sampled_idx", "num_out", "info", "row", "trace_id")
+    __slots__ = ("rid", "req", "out", "events", "step_idx", "sampled_idx", "num_out", "info", "row", "trace_id")
 
     def __init__(self, req):
         self.rid: str = req.request_id
         self.req = req
+        self.out: list[int] = req.output_token_ids  # the engine appends to this list: read its length per step
         self.events: list = []
         self.step_idx: list[int] = []
         self.sampled_idx: list[int] = []
@@ -74,7 +75,7 @@ class ProbeRecorder(Recorder):
         profile_max_windows: int = 4,
         pyspy: bool = True,
         pyspy_rate: int = 100,
-        metrics_every_steps: int = 8,
+        metrics_every_steps: int = 64,
     ):
         if level not in LEVELS:
             raise ValueError(f"probes level must be one of {', '.join(LEVELS)}; got {level!r}")
@@ -197,7 +198,7 @@ class ProbeRecorder(Recorder):
             if st is None:
                 continue
             st.step_idx.append(idx)
-            n = len(st.req.output_token_ids)
+            n = len(st.out)
             if n != st.num_out:
                 st.num_out = n
                 st.sampled_idx.append(idx)
@@ -205,8 +206,10 @@ class ProbeRecorder(Recorder):
         self._sampled.append(sampled)
         if layer_times:
             self._layer_times.append((step.step_id, layer_times))
-        if self._feed is not None:
-            self._feed.step_recorded(idx + 1, not (step.num_running or step.num_waiting), self)
+        feed = self._feed
+        if feed is not None and (idx + 1 - feed._flushed >= feed.every_steps
+                                 or not (step.num_running or step.num_waiting)):
+            feed.flush(self)  # every every_steps steps, and when the engine goes idle
 
     def flush_metrics(self) -> None:
         """Put what was recorded since the last flush into Prometheus (the step loop does every
@@ -239,7 +242,7 @@ class ProbeRecorder(Recorder):
             "num_preemptions": request.num_preemptions,
             "num_recomputed_tokens": request.num_recomputed_tokens,
         }
-        st.req = None
+        st.req = st.out = None
         self._done.append(st)
         if self._feed is not None:
             self._feed.request_finished(st, idle=not self._live, recorder=self)
@@ -267,25 +270,14 @@ class ProbeRecorder(Recorder):
     # ---- building the tables (off the hot path) ---------------------------------------------
     def _build(self, st: _Req, coll: dict[int, int] | None = None) -> None:
         """The request's engine row and its trace (once per request)."""
-        rid = st.rid
         base = self._step_base
         step_idx, sampled_idx = st.step_idx, st.sampled_idx
         if base:  # drain() dropped older steps: indices into what is kept
             step_idx, sampled_idx = [i - base for i in step_idx], [i - base for i in sampled_idx]
-        row, phases, _ = engine_row(rid, self._replica_col, st.info, st.events, self._steps, step_idx,
-                                    sampled_idx, coll if coll is not None else self._coll_ns)
-        view = _fill(dict(row), self._outer.get(rid, {}))
-        tp = self._traceparents.get(rid)  # from the gateway (this process's gateway_begin, or another's)
-        if tp is None and rid in self._outer:
-            phases = gateway_phases(view) + phases
-        start = view["gateway_arrival_ns"] if tp is None and view["gateway_arrival_ns"] else view["engine_arrival_ns"]
-        end = max([p.end_ns for p in phases] + [view["engine_finished_ns"] or start])
-        root = Phase("request" if tp is None else "engine.request", None, start, end, {
-            "status": row["status"], "num_prompt_tokens": row["num_prompt_tokens"],
-            "num_output_tokens": row["num_output_tokens"], "replica": self._replica_col})
-        st.trace_id = self.tracer.trace_request(rid, root, phases, tp)
-        row["trace_id"] = st.trace_id
-        st.row = row
+        st.row = build_request(st.rid, self._replica_col, st.info, st.events, self._steps, step_idx, sampled_idx,
+                               coll if coll is not None else self._coll_ns, self._outer.get(st.rid),
+                               self._traceparents.get(st.rid), self.tracer)
+        st.trace_id = st.row["trace_id"]
 
     def request_rows(self, finalize: bool = True) -> list[dict[str, Any]]:
         """One dict per request: engine rows, gateway/client fields filling their columns.
@@ -335,49 +327,61 @@ class ProbeRecorder(Recorder):
         return make_export(self)
 
     def drain(self) -> dict[str, Any] | None:
-        """What is done since the last drain, as plain data (``bundle.make_drain``), dropped from memory.
+        """What is done since the last drain, as plain picklable data, dropped from memory.
 
-        Finished requests' rows (not finalized; their gateway fields joined) and, for the breakdown
-        the writer computes, every step from the first one they took part in (``steps``; the rows
-        from step id ``write_from_step_id`` on are the ones not handed out before); layer times,
-        collectives, kernels and spans recorded since. Steps a live request still references stay.
+        Finished requests as recorded (info, events, step indices, gateway fields, traceparent:
+        their rows and spans are built by ``drain_tables`` in the process that writes the bundle,
+        off this engine's step loop), every step from the first one they took part in (``steps``;
+        those from step id ``write_from_step_id`` on were not handed out before, the earlier ones
+        are context for the breakdown), layer times, collectives, kernels and spans recorded since.
+        Steps a live request still references stay.
         """
         if not self.enabled:
             return None
-        from layerscope.probes.bundle import make_drain
-
         self.flush_metrics()  # the metrics feed has what it reads of the steps before they go
         coll = self._coll_ns
         done, self._done = self._done, []
-        rows = []
         end = self.num_steps
-        lo = min(self._steps_drained, end)
+        base = self._step_base
+        lo = min([self._steps_drained, end] + [st.step_idx[0] for st in done if st.row is None and st.step_idx])
+        raw, rows = [], []
         for st in done:
-            if st.row is None:
-                self._build(st, coll)
-            rows.append(_fill(dict(st.row), self._outer.pop(st.rid, {})))
-            self._traceparents.pop(st.rid, None)
-            if st.step_idx:
-                lo = min(lo, st.step_idx[0])
+            outer = self._outer.pop(st.rid, None)
+            tp = self._traceparents.pop(st.rid, None)
+            if st.row is not None:  # built already (OTLP wants spans at once)
+                rows.append(_fill(dict(st.row), outer or {}))
+            else:
+                raw.append((st.rid, st.info, st.events, [i - lo for i in st.step_idx],
+                            [i - lo for i in st.sampled_idx], outer, tp))
         # gateway fields of requests this replica never ran (refused by the engine): one drain's grace
         unknown = {rid for rid in self._outer if rid not in self._live}
         for rid in unknown & self._stale:
             rows.append(_fill({c: None for c in schema.REQUESTS.names}, {"request_id": rid, **self._outer.pop(rid)}))
             self._traceparents.pop(rid, None)
         self._stale = unknown - self._stale
-        base = self._step_base
         context = self._steps[lo - base:]
         write_from = self._steps[self._steps_drained - base].step_id if self._steps_drained < end else None
-        kernels = self.profiler.rows if self.profiler is not None else []
         spans = self.tracer.exporter.rows
-        out = make_drain(self, {
-            "requests": pa.Table.from_pylist(rows, schema=schema.REQUESTS),
-            "steps": steps_table(context, self._replica_col, coll),
-            "layers": layers_table(self._layer_times, self._replica_col),
-            "kernels": rows_table(kernels, schema.KERNELS),
-            "collectives": collectives_table(self._collectives, self._replica_col),
-            "spans": rows_table(spans, schema.SPANS),
-        }, write_from)
+        out = {
+            "format": DRAIN_FORMAT,
+            "schema_version": schema.SCHEMA_VERSION,
+            "replica": str(self.replica),
+            "replica_col": self._replica_col,
+            "probes": self.level,
+            "config": self.config,
+            "resolved": self.resolved,
+            "start_ns": self.start_ns,
+            "num_steps": end,
+            "write_from_step_id": write_from,
+            "requests_raw": raw,
+            "request_rows": rows,
+            "steps": context,
+            "coll_ns": {s.step_id: coll[s.step_id] for s in context if s.step_id in coll} if coll else {},
+            "layer_times": self._layer_times,
+            "collectives": self._collectives,
+            "kernels": list(self.profiler.rows) if self.profiler is not None else [],
+            "spans": list(spans),
+        }
         # drop what was handed out: steps before the first one a live request took part in
         keep = min([st.step_idx[0] for st in self._live.values() if st.step_idx] + [end])
         lock = self._feed._lock if self._feed is not None else _NO_LOCK
@@ -457,6 +461,73 @@ class ProbeRecorder(Recorder):
 
 
 _NO_LOCK = contextlib.nullcontext()
+DRAIN_FORMAT = "layerscope.recorder-drain"
+
+
+def build_request(rid: str, replica_col: int, info: dict[str, Any], events, steps, step_idx, sampled_idx,
+                  coll: dict[int, int], outer: dict[str, Any] | None, traceparent: str | None,
+                  tracer: RequestTracer) -> dict[str, Any]:
+    """One finished request's engine row (``trace_id`` set, gateway fields not filled in) and its
+    trace's spans (into ``tracer``). ``step_idx``/``sampled_idx`` index ``steps``."""
+    row, phases, _ = engine_row(rid, replica_col, info, events, steps, step_idx, sampled_idx, coll)
+    view = _fill(dict(row), outer or {})
+    if traceparent is None and outer is not None:  # the gateway ran in this process: its phases here
+        phases = gateway_phases(view) + phases
+    start = view["gateway_arrival_ns"] if traceparent is None and view["gateway_arrival_ns"] else view["engine_arrival_ns"]
+    end = max([p.end_ns for p in phases] + [view["engine_finished_ns"] or start])
+    root = Phase("request" if traceparent is None else "engine.request", None, start, end, {
+        "status": row["status"], "num_prompt_tokens": row["num_prompt_tokens"],
+        "num_output_tokens": row["num_output_tokens"], "replica": replica_col})
+    row["trace_id"] = tracer.trace_request(rid, root, phases, traceparent)
+    return row
+
+
+def drain_tables(d: dict[str, Any], tracer: RequestTracer) -> dict[str, pa.Table]:
+    """The bundle tables of a replica's ``drain()`` (request rows not finalized, gateway fields filled
+    in; ``steps`` with the context steps); builds the requests' spans with ``tracer`` (the writer's,
+    one per replica)."""
+    rep, steps, coll = d["replica_col"], d["steps"], d["coll_ns"]
+    rows = list(d["request_rows"])
+    for rid, info, events, step_idx, sampled_idx, outer, tp in d["requests_raw"]:
+        row = build_request(rid, rep, info, events, steps, step_idx, sampled_idx, coll, outer, tp, tracer)
+        rows.append(_fill(row, outer or {}))
+    spans = d["spans"] + tracer.exporter.rows
+    tracer.exporter.rows = []
+    return {
+        "requests": pa.Table.from_pylist(rows, schema=schema.REQUESTS),
+        "steps": steps_table(steps, rep, coll),
+        "layers": layers_table(d["layer_times"], rep),
+        "kernels": rows_table(d["kernels"], schema.KERNELS),
+        "collectives": collectives_table(d["collectives"], rep),
+        "spans": rows_table(spans, schema.SPANS),
+    }
+
+
+def table_to_bytes(table: pa.Table) -> bytes:
+    """Arrow IPC stream bytes (for an export crossing a process boundary)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def make_drain(recorder, tables: dict[str, pa.Table], write_from_step_id: int | None) -> dict[str, Any]:
+    """A recorder's ``drain()`` as plain data (what ``rolling.RollingBundleWriter.add`` takes): like an
+    export, with only the tables drained (absent: empty), and ``write_from_step_id``: the steps rows
+    from that step id on are new, the earlier ones context for the drained requests' breakdown."""
+    return {
+        "format": "layerscope.bundle-part",
+        "schema_version": schema.SCHEMA_VERSION,
+        "replica": str(recorder.replica),
+        "probes": recorder.level,
+        "config": recorder.config,
+        "resolved": recorder.resolved,
+        "start_ns": recorder.start_ns,
+        "num_steps": recorder.num_steps,
+        "write_from_step_id": write_from_step_id,
+        "tables": {name: table_to_bytes(t) for name, t in tables.items()},
+    }
+
 
 
 def _fill(row: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 ``RollingBundleWriter`` writes part k of every table (``T.parquet/part-00000k.parquet``,
 temp then rename) from what the recorders drained (``Recorder.drain()``: the gateway's and
-each replica's, as plain data), then rewrites ``manifest.json`` (temp then rename) with
+each replica's, as plain data; a replica's request rows and spans are built here, off its step loop), then rewrites ``manifest.json`` (temp then rename) with
 ``parts`` / ``complete`` / ``first_part``. Request rows are written once, in the part in
 which both sides have been drained (engine row + gateway fields, joined on request_id;
 one side alone after ``wait_parts`` parts), finalized and with their TTFT components
@@ -42,7 +42,9 @@ from layerscope.probes.bundle import (
     MANIFEST, METRICS_FILE, PART_FORMAT, TRACES_DIR, BundleError, check_version, table_from_bytes,
     with_ttft_components, write_table, write_text,
 )
+from layerscope.probes.recorder import DRAIN_FORMAT, drain_tables
 from layerscope.probes.requests import finalize_row
+from layerscope.probes.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,7 @@ class RollingBundleWriter:
         self._context: dict[str, deque] = {}  # replica -> last drains' (steps, engine.kv spans)
         self._num_steps: dict[str, int] = {}
         self._seen_gateway = False
+        self._tracers: dict[str, RequestTracer] = {}
         # the manifest's summary, over every request written (not the rows themselves)
         self._n = self._n_finished = self._out_tokens = 0
         self._first_ns: int | None = None
@@ -165,11 +168,17 @@ class RollingBundleWriter:
         return k
 
     def _take(self, d: dict, k: int, new: dict[str, list[pa.Table]]) -> None:
-        if d.get("format") != PART_FORMAT:
+        if d.get("format") not in (PART_FORMAT, DRAIN_FORMAT):
             raise BundleError(f"not a layerscope recorder drain (format {d.get('format')!r})")
         check_version(d, Path("<drain>"))
         rep = d["replica"]
-        tables = {name: table_from_bytes(b) for name, b in d["tables"].items()}
+        if d["format"] == DRAIN_FORMAT:  # a replica's raw drain: its rows and spans are built here
+            tracer = self._tracers.get(rep)
+            if tracer is None:
+                tracer = self._tracers[rep] = RequestTracer("layerscope", rep, otlp=False)
+            tables = drain_tables(d, tracer)
+        else:
+            tables = {name: table_from_bytes(b) for name, b in d["tables"].items()}
         if self.config is None and d.get("config"):
             self.config = d["config"]
         if d.get("resolved") and d["resolved"] not in self.resolved:

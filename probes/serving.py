@@ -17,7 +17,7 @@ from layerscope.engine.recorder import GatewayRecorder, GatewayRequest, Recorder
 from layerscope.contract import FINISH_REASON
 from layerscope.probes import schema
 from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
-from layerscope.probes.recorder import LEVELS, ProbeRecorder
+from layerscope.probes.recorder import LEVELS, ProbeRecorder, make_drain
 from layerscope.probes.requests import gateway_phases
 from layerscope.probes.tables import rows_table
 
@@ -174,8 +174,6 @@ class GatewayProbeRecorder(ProbeRecorder, GatewayRecorder):
         and the spans closed since, dropped from memory; requests in flight stay."""
         if not self.enabled:
             return None
-        from layerscope.probes.bundle import make_drain
-
         rows = []
         for rid in [rid for rid, f in self._outer.items() if f.get("gateway_finished_ns") is not None]:
             row = {c: None for c in schema.REQUESTS.names}
