@@ -149,16 +149,19 @@ def soak(model: str, out: Path, requests: int, warmup: int, concurrency: int, ma
               "server_rc": rc, "bundle_parts": m["parts"], "bundle_complete": m["complete"],
               "bundle_requests": len(ids), "bundle_unique_requests": len(set(ids)),
               "bundle_bytes": sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())}
-    try:
-        from layerscope.diagnose import load_run, summarize
-
-        t1 = time.perf_counter()
-        run = load_run(bundle)
-        summarize(run)
-        result["diagnose_s"] = round(time.perf_counter() - t1, 2)
-        result["diagnose_requests"] = len(run.requests)
-    except Exception as e:  # noqa: BLE001 - the reader over parts is another change (issue 20 item 2)
-        result["diagnose_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    # diagnose through the command line (probes never import diagnose)
+    t1 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "layerscope", "diagnose", str(bundle), "--json"],
+                          capture_output=True, text=True, timeout=600)
+    result["diagnose_s"] = round(time.perf_counter() - t1, 2)
+    result["diagnose_rc"] = proc.returncode
+    if proc.returncode != 0:  # the reader over parts is another change (issue 20 item 2)
+        result["diagnose_error"] = (proc.stderr.strip().splitlines() or [""])[-1][:300]
+    else:
+        try:
+            result["diagnose_requests"] = json.loads(proc.stdout)["summary"]["requests"]
+        except (ValueError, KeyError, TypeError):
+            result["diagnose_requests"] = None
     return result
 
 

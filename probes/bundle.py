@@ -48,7 +48,7 @@ from layerscope.probes.reader import (  # noqa: F401  (Bundle, read_bundle, read
     MANIFEST, METRICS_FILE, TRACES_DIR, Bundle, BundleError, check_version, frame, read_bundle, read_json,
     read_manifest, read_table,
 )
-from layerscope.probes.recorder import make_drain, table_to_bytes  # noqa: F401  (make_drain: re-exported)
+from layerscope.probes.drain import make_drain, table_to_bytes  # noqa: F401  (make_drain: re-exported)
 from layerscope.probes.requests import finalize_row
 from layerscope.probes.tables import summarize
 

@@ -42,7 +42,7 @@ from layerscope.probes.bundle import (
     MANIFEST, METRICS_FILE, PART_FORMAT, TRACES_DIR, BundleError, check_version, table_from_bytes,
     with_ttft_components, write_table, write_text,
 )
-from layerscope.probes.recorder import DRAIN_FORMAT, drain_tables
+from layerscope.probes.drain import DRAIN_FORMAT, drain_tables
 from layerscope.probes.requests import finalize_row
 from layerscope.probes.tracing import RequestTracer
 

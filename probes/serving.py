@@ -17,7 +17,8 @@ from layerscope.engine.recorder import GatewayRecorder, GatewayRequest, Recorder
 from layerscope.contract import FINISH_REASON
 from layerscope.probes import schema
 from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
-from layerscope.probes.recorder import LEVELS, ProbeRecorder, make_drain
+from layerscope.probes.drain import make_drain
+from layerscope.probes.recorder import LEVELS, ProbeRecorder
 from layerscope.probes.requests import gateway_phases
 from layerscope.probes.tables import rows_table
 
