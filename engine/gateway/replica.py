@@ -115,7 +115,12 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
                     recorder.stop()  # ends the recording window (profiler, py-spy); the replica keeps serving
                     outbox.put(Records(recorder.export()))
                 elif isinstance(msg, DrainRecords):
-                    outbox.put(Drained(recorder.drain()))
+                    try:
+                        drained = recorder.drain()
+                    except Exception:  # noqa: BLE001 - a broken drain loses one part, not the replica
+                        logger.exception("replica %d: drain() failed", index)
+                        drained = None
+                    outbox.put(Drained(drained))
                 elif isinstance(msg, Shutdown):
                     stop = True
                 else:
