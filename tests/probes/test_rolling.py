@@ -137,6 +137,20 @@ def test_retention_deletes_the_oldest_parts_and_says_from_which_part_it_holds(ti
     rec.shutdown()
 
 
+def test_retention_by_age_keeps_parts_younger_than_it(tiny_model, tmp_path):
+    engine, rec = _engine(tiny_model)
+    writer = RollingBundleWriter(tmp_path / "b", probes="default", retention_s=3600)
+    _run_in_waves(engine, rec, writer, waves=2)
+    assert writer.first_part == 1  # all younger than an hour
+    writer.retention_s = 0.0  # now every part but the newest is too old
+    writer.close(None, [rec.drain()])
+    engine.shutdown()
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert (m["parts"], m["first_part"], m["complete"]) == (3, 3, True)
+    assert _parts(tmp_path / "b", "requests").num_rows > 0
+    rec.shutdown()
+
+
 def test_parse_retention():
     assert parse_retention("6h") == (6 * 3600, None)
     assert parse_retention("30m") == (1800, None)
