@@ -295,18 +295,26 @@ class RollingBundleWriter:
 class DrainSource(Protocol):
     """What ``RollingBundle`` reads (``engine.gateway.Gateway``)."""
 
+    num_answered: int  # requests answered so far (optional: parts by count)
+
     def drain_records(self, timeout_s: float = 60.0) -> tuple[Any, list[Any]]: ...
 
     def metrics_text(self) -> bytes: ...
 
 
 class RollingBundle:
-    """A thread that writes a part of ``writer``'s bundle every ``interval_s`` from ``source``'s drains."""
+    """A thread that writes a part of ``writer``'s bundle from ``source``'s drains every ``interval_s``,
+    or sooner once ``max_requests`` requests were answered since the last part (``source.num_answered``;
+    0: by time only)."""
 
-    def __init__(self, source: DrainSource, writer: RollingBundleWriter, interval_s: float = 10.0):
+    def __init__(self, source: DrainSource, writer: RollingBundleWriter, interval_s: float = 10.0,
+                 max_requests: int = 0):
         if interval_s <= 0:
             raise ValueError(f"--bundle-interval must be > 0 seconds, got {interval_s}")
-        self.source, self.writer, self.interval_s = source, writer, interval_s
+        if max_requests < 0:
+            raise ValueError(f"--bundle-max-requests must be >= 0, got {max_requests}")
+        self.source, self.writer, self.interval_s, self.max_requests = source, writer, interval_s, max_requests
+        self._answered = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="rolling-bundle", daemon=True)
@@ -319,6 +327,7 @@ class RollingBundle:
         with self._lock:
             if self.writer.complete:
                 return self.writer.parts
+            self._answered = getattr(self.source, "num_answered", 0)
             gw, reps = self.source.drain_records()
             text = self.source.metrics_text()
             text = text.decode() if isinstance(text, bytes) else text
@@ -328,8 +337,16 @@ class RollingBundle:
                 self.writer.add(gw, reps, text)
             return self.writer.parts
 
+    def _due(self) -> bool:
+        return bool(self.max_requests) and getattr(self.source, "num_answered", 0) - self._answered >= self.max_requests
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        poll = min(self.interval_s, 0.25) if self.max_requests else self.interval_s
+        last = time.monotonic()
+        while not self._stop.wait(poll):
+            if time.monotonic() - last < self.interval_s and not self._due():
+                continue
+            last = time.monotonic()
             try:
                 self.write_part()
             except Exception:  # noqa: BLE001 - a failed part must not stop the server; the next one retries

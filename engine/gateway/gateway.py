@@ -118,6 +118,7 @@ class Gateway:
                          for i in range(num_replicas)]
         self.num_in_flight = [0] * num_replicas
         self.records: list[GatewayRecord] = []
+        self.num_answered = 0  # requests the gateway is done with (answered, failed or refused)
         self.replica_families: list[list] = [[] for _ in range(num_replicas)]
         self.replica_stats: list[dict[str, Any]] = [{} for _ in range(num_replicas)]
         self.max_model_len = 0
@@ -292,6 +293,7 @@ class Gateway:
         fields = {k: getattr(rec, k) for k in ("status", "http_status", "error", "gateway_arrival_ns",
                                                "gateway_admitted_ns", "gateway_routed_ns", "gateway_first_token_ns",
                                                "gateway_finished_ns", "replica") if getattr(rec, k) is not None}
+        self.num_answered += 1
         done = GatewayRequest(rec.request_id, fields)
         if latencies and rec.ttft_s is not None:
             done.ttft_s, done.itl_s, done.tpot_s = rec.ttft_s, rec.itl_s, rec.tpot_s

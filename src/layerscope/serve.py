@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import uuid
 from datetime import datetime
 
 
@@ -21,17 +22,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rolling = args.probes != "off" and args.bundle != "none"
-    writer = None
-    if rolling:  # checked before anything starts: a bad --retention or a bundle directory in the way
+    if rolling:  # checked before anything is built
         from layerscope.probes.rolling import RollingBundleWriter, parse_retention
 
         retention_s, retention_bytes = parse_retention(args.retention)
         if args.bundle_interval <= 0:
             raise ValueError(f"--bundle-interval must be > 0 seconds, got {args.bundle_interval}")
-        out = args.bundle or os.path.join("runs", f"serve-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+        if args.bundle_max_requests < 0:
+            raise ValueError(f"--bundle-max-requests must be >= 0, got {args.bundle_max_requests}")
+    gateway = build_gateway(args, record=False, recorders=recorders(args.probes), rolling=rolling)
+    writer = None
+    if rolling:  # after the config was checked: a refused command line leaves no bundle behind
+        out = args.bundle or os.path.join(
+            "runs", f"serve-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
         writer = RollingBundleWriter(out, probes=args.probes, retention_s=retention_s,
                                      retention_bytes=retention_bytes)
-    gateway = build_gateway(args, record=False, recorders=recorders(args.probes), rolling=rolling)
     bundle = None
     try:
         print(f"layerscope serve: starting {args.replicas} replica(s) of {args.model} ...", file=sys.stderr, flush=True)
@@ -39,8 +44,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if writer is not None:
             from layerscope.probes.rolling import RollingBundle
 
-            bundle = RollingBundle(gateway, writer, args.bundle_interval).start()
-            print(f"layerscope serve: rolling bundle {writer.out} (a part every {args.bundle_interval:g} s)",
+            bundle = RollingBundle(gateway, writer, args.bundle_interval, args.bundle_max_requests).start()
+            print(f"layerscope serve: rolling bundle {writer.out} (a part every {args.bundle_interval:g} s "
+                  f"or {args.bundle_max_requests} requests)",
                   file=sys.stderr, flush=True)
         serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True))
     finally:
@@ -67,6 +73,8 @@ def add_parser(subparsers) -> None:
                    help="rolling run bundle written as the server runs (default: runs/serve-<time>; 'none': no bundle)")
     p.add_argument("--bundle-interval", type=float, default=10.0, metavar="SECONDS",
                    help="write a part of the bundle every SECONDS (a crash loses at most the last interval)")
+    p.add_argument("--bundle-max-requests", type=int, default=5000, metavar="N",
+                   help="write a part sooner once N requests were answered since the last one (0: by time only)")
     p.add_argument("--retention", default=None, metavar="AGE|SIZE",
                    help="keep only the last parts of the bundle: 6h, 30m, 2d or 2GB, 500MB (default: all)")
     p.set_defaults(func=cmd_serve)

@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from layerscope.probes.rolling import PART_NAME
 
 
-def _start(tiny_model, bundle):
+def _start(tiny_model, bundle, *extra):
     cmd = [sys.executable, "-m", "layerscope", "serve", "--model", str(tiny_model), "--port", "0",
-           "--bundle", str(bundle), "--bundle-interval", "0.5", "--set", "max_num_seqs=4"]
+           "--bundle", str(bundle), "--set", "max_num_seqs=4", *(extra or ("--bundle-interval", "0.5"))]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -112,3 +112,21 @@ def test_a_killed_server_leaves_a_bundle_that_reads_up_to_its_last_part(tiny_mod
     assert m["complete"] is False and m["parts"] >= 1
     req = _read(bundle, "requests")
     assert req.num_rows == m["summary"]["requests"] == 8
+
+
+def test_parts_come_by_request_count_when_the_interval_is_long(tiny_model, tmp_path):
+    bundle = tmp_path / "bundle"
+    proc, url, lines = _start(tiny_model, bundle, "--bundle-interval", "600", "--bundle-max-requests", "5")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            _complete(c, 5, str(tiny_model))
+            _wait_for(lambda: _manifest(bundle)["parts"] == 1)  # 5 answered: a part, not one per 10 minutes
+            _complete(c, 4, str(tiny_model))
+            time.sleep(1.0)
+            assert _manifest(bundle)["parts"] == 1  # 4 more: not yet
+            _complete(c, 2, str(tiny_model))
+            _wait_for(lambda: _manifest(bundle)["parts"] == 2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(lines[-20:])
+    assert _read(bundle, "requests").num_rows == 11
