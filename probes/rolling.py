@@ -138,11 +138,13 @@ class RollingBundleWriter:
                 continue
             self._take(d, k, new)
         rows = self._ready(k, final)
-        ctx_steps = _dedup_steps(pa.concat_tables([s for q in self._context.values() for s, _ in q])
+        ctx_steps = _dedup_steps(pa.concat_tables([s for q in self._context.values() for s, _, _ in q])
                                  if self._context else schema.STEPS.empty_table())
-        ctx_spans = pa.concat_tables([p for q in self._context.values() for _, p in q]) \
+        ctx_spans = pa.concat_tables([p for q in self._context.values() for _, p, _ in q]) \
             if self._context else schema.SPANS.empty_table()
         rows = with_ttft_components(rows, ctx_steps, ctx_spans)
+        del ctx_steps, ctx_spans
+        self._prune_context()
         rows.sort(key=lambda r: (r["gateway_arrival_ns"] or r["engine_arrival_ns"] or 0, r["request_id"]))
         size = 0
         out = {"requests": pa.Table.from_pylist(rows, schema=schema.REQUESTS)}
@@ -201,10 +203,20 @@ class RollingBundleWriter:
                 new["steps"].append(steps.filter(pc.greater_equal(steps["step_id"], wf)))
             spans = tables.get("spans", schema.SPANS.empty_table())
             kv = spans.filter(pc.equal(spans["layer"], "engine.kv")) if spans.num_rows else spans
-            self._context.setdefault(rep, deque(maxlen=self.wait_parts + 1)).append((steps, kv))
+            self._context.setdefault(rep, deque(maxlen=self.wait_parts + 1)).append((steps, kv, k))
         for name in ("layers", "kernels", "collectives", "spans"):
             if name in tables and tables[name].num_rows:
                 new[name].append(tables[name])
+
+    def _prune_context(self) -> None:
+        """Keep a replica's older context steps only while an engine row of theirs still waits."""
+        oldest: dict[str, int] = {}
+        for row, k0 in self._engine.values():
+            r = str(row.get("replica"))
+            oldest[r] = min(oldest.get(r, k0), k0)
+        for rep, q in self._context.items():
+            while len(q) > 1 and q[0][2] < oldest.get(rep, q[-1][2]):
+                q.popleft()
 
     def _ready(self, k: int, final: bool) -> list[dict[str, Any]]:
         """Request rows to write in part ``k``: joined (engine values first), finalized."""
