@@ -1,5 +1,8 @@
 """ProbeRecorder: the probes' implementation of the engine's recorder seam.
 
+(Over 400 lines: the recorder is one object whose hot path, table building and rolling
+``drain()`` share its in-memory records; the drain's format and the row builder are in ``drain.py``.)
+
 Levels: ``off`` records nothing (every seam method is the base no-op); ``default``
 records lifecycle events, per-step rows, sampled per-layer times, collectives,
 Prometheus metrics and (at write time) one trace per request; ``full`` adds profiler

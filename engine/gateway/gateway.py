@@ -1,5 +1,8 @@
 """The gateway core: admission -> router -> replica hand-off, and the way back.
 
+(Over 400 lines: one object owns the request path and the replica messages, records and
+drains included, all on one event loop; HTTP is in server.py, replicas in replica.py.)
+
 ``Gateway`` owns the replica processes, the admission queue, the router and every
 request in flight. It runs on one asyncio event loop (the HTTP server's); replica
 reader threads hop onto that loop with ``call_soon_threadsafe`` and drop each token
