@@ -76,6 +76,12 @@ class RunRecorder:
         """Everything recorded, as plain data another process can merge into a bundle (None: nothing)."""
         return None
 
+    def drain(self) -> dict[str, Any] | None:
+        """What is done since the last drain (finished requests' rows, steps no live request needs,
+        layers, collectives, kernels, spans), as plain data like ``export()``, and dropped from
+        memory: a long-running server's rolling bundle. None: nothing recorded."""
+        return None
+
     def shutdown(self) -> None:
         """Release what the recorder holds; call after the bundle is written."""
 
@@ -163,7 +169,8 @@ class RecorderFactory(Protocol):
     def engine(self, replica: int, model_name: str) -> Recorder: ...
 
     def gateway(self, model_name: str, keep_requests: bool) -> GatewayRecorder:
-        """``keep_requests``: keep every request's record for a bundle (a run, not a long-lived server)."""
+        """``keep_requests``: record every request for a bundle (a run; or a server's rolling bundle,
+        which ``drain()`` empties as it goes)."""
         ...
 
 

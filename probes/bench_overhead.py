@@ -1,6 +1,10 @@
-"""What probes cost: the same seeded workload under probes off, default and full.
+"""What probes cost: the same seeded workload under probes off, default and full (and rolling).
 
     python -m layerscope.probes.bench_overhead [--model DIR | --preset small] [--reps 5]
+        [--levels off,default,rolling] [--drain-every-steps 256]
+
+"rolling" is default probes drained for a rolling bundle every --drain-every-steps steps,
+the drains inside the timed region (a serving replica pays them on its engine thread).
 
 One engine; each repetition runs every level once, in an order rotated per
 repetition, with a fresh recorder per run (so nothing accumulates across runs), and
@@ -20,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-LEVELS = ("off", "default", "full")
+LEVELS = ("off", "default", "full", "rolling")  # rolling: default + drain() every --drain-every-steps steps
 
 
 def _workload(n: int, vocab: int, seed: int, min_len: int, max_len: int) -> list[list[int]]:
@@ -28,14 +32,30 @@ def _workload(n: int, vocab: int, seed: int, min_len: int, max_len: int) -> list
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
 
 
-def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int) -> tuple[float, float, float, int]:
-    """(generate wall seconds, generate CPU seconds, table-building seconds, engine steps) of one run."""
+def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
+         drain_every: int = 256) -> tuple[float, float, float, int]:
+    """(generate wall seconds, generate CPU seconds, table-building seconds, engine steps) of one run.
+
+    "rolling": default probes whose recorder is drained every ``drain_every`` steps inside the
+    timed region (what a serving replica's engine thread pays for the rolling bundle); the
+    bundle parts are written from the drains after it (another process does that when serving)."""
     from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
 
+    probes = "default" if level == "rolling" else level
     rec = Recorder() if level == "off" else ProbeRecorder(
-        level, model_name="bench", layer_timing_interval=interval, trace_dir=trace_dir / f"{level}-{time.time_ns()}",
+        probes, model_name="bench", layer_timing_interval=interval, trace_dir=trace_dir / f"{level}-{time.time_ns()}",
         profile_every_steps=64, profile_num_steps=2)
+    drains: list = []
+    if level == "rolling":
+        on_step = rec.on_step
+
+        def on_step_draining(step, layer_times):
+            on_step(step, layer_times)
+            if step.step_id % drain_every == 0:
+                drains.append(rec.drain())
+
+        rec.on_step = on_step_draining
     engine = llm.engine
     engine.recorder = rec
     if level != "off":
@@ -50,7 +70,16 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int) -> tu
     if level != "off":
         rec.stop()
         t1 = time.perf_counter()
-        rec.tables()
+        if level == "rolling":
+            from layerscope.probes.rolling import RollingBundleWriter
+
+            drains.append(rec.drain())
+            writer = RollingBundleWriter(trace_dir / f"rolling-{time.time_ns()}", probes="default")
+            for d in drains:
+                writer.add(None, [d])
+            writer.close()
+        else:
+            rec.tables()
         rec.metrics_text()
         build_s = time.perf_counter() - t1
         rec.shutdown()
@@ -117,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", default="16:128", help="MIN:MAX prompt tokens")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--levels", default=",".join(LEVELS))
+    ap.add_argument("--levels", default="off,default,full")
+    ap.add_argument("--drain-every-steps", type=int, default=256, help="rolling: drain() every N engine steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads (1: stable on a shared machine)")
     ap.add_argument("--max-num-seqs", type=int, default=16)
@@ -147,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.requests} requests x {args.max_tokens} output tokens, prompts {lo}-{hi} tokens, "
           f"{args.reps} reps, threads {args.num_threads}")
     for level in levels:  # warm-up: allocator, kineto, caches
-        _run(llm, level, prompts[: max(4, args.requests // 8)], params, tmp, args.layer_timing_interval)
+        _run(llm, level, prompts[: max(4, args.requests // 8)], params, tmp, args.layer_timing_interval,
+             args.drain_every_steps)
 
     wall: dict[str, list[float]] = {lv: [] for lv in levels}
     cpu: dict[str, list[float]] = {lv: [] for lv in levels}
@@ -156,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.reps):
         order = levels[rep % len(levels):] + levels[: rep % len(levels)]
         for level in order:
-            gen_s, cpu_s, build_s, steps = _run(llm, level, prompts, params, tmp, args.layer_timing_interval)
+            gen_s, cpu_s, build_s, steps = _run(llm, level, prompts, params, tmp, args.layer_timing_interval,
+                                                args.drain_every_steps)
             wall[level].append(num_tokens / gen_s)
             cpu[level].append(num_tokens / cpu_s)
             build[level].append(build_s)

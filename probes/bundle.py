@@ -48,6 +48,7 @@ from layerscope.probes.reader import (  # noqa: F401  (Bundle, read_bundle, read
     MANIFEST, METRICS_FILE, TRACES_DIR, Bundle, BundleError, check_version, frame, read_bundle, read_json,
     read_manifest, read_table,
 )
+from layerscope.probes.drain import make_drain, table_to_bytes  # noqa: F401  (make_drain: re-exported)
 from layerscope.probes.requests import finalize_row
 from layerscope.probes.tables import summarize
 
@@ -80,14 +81,6 @@ def _concat(tables: list[pa.Table], sch: pa.Schema) -> pa.Table:
 
 
 # ---- exports and parts (one per process) ------------------------------------------------------------
-def table_to_bytes(table: pa.Table) -> bytes:
-    """Arrow IPC stream bytes (for an export crossing a process boundary)."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
 def table_from_bytes(data: bytes) -> pa.Table:
     return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 

@@ -94,7 +94,8 @@ METRICS: tuple[MetricDef, ...] = (
     _m("layerscope_request_success_total", "counter", "requests", "engine.output",
        "Finished requests, by finish reason.", ("finished_reason",), values={"finished_reason": FINISH_REASONS}),
     _m("layerscope_request_errors_total", "counter", "requests", "engine.output",
-       "Requests that failed or were refused, by reason (rejected, invalid, timeout, error).", ("reason",)),
+       "Requests that failed or were refused, by reason (rejected, invalid, timeout, error).", ("reason",),
+       values={"reason": ("rejected", "invalid", "timeout", "error")}),
     # ---- engine steps and model ----
     _m("layerscope_step_phase_seconds", "histogram", "seconds", "engine.schedule",
        "Host time of one engine step's phase (schedule, prepare, forward, sample, output).",

@@ -1,5 +1,8 @@
 """ProbeRecorder: the probes' implementation of the engine's recorder seam.
 
+(Over 400 lines: the recorder is one object whose hot path, table building and rolling
+``drain()`` share its in-memory records; the drain's format and the row builder are in ``drain.py``.)
+
 Levels: ``off`` records nothing (every seam method is the base no-op); ``default``
 records lifecycle events, per-step rows, sampled per-layer times, collectives,
 Prometheus metrics and (at write time) one trace per request; ``full`` adds profiler
@@ -24,6 +27,7 @@ exposes (``metrics.exposed_by``): gateway metrics in the gateway, engine ones he
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -32,9 +36,10 @@ import pyarrow as pa
 
 from layerscope.engine.recorder import CollectiveRecord, Recorder, StepRecord
 from layerscope.probes import schema
+from layerscope.probes.drain import DRAIN_FORMAT, build_request, fill
 from layerscope.probes.feed import MetricsFeed, Recorded
 from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
-from layerscope.probes.requests import OUTER_FIELDS, Phase, engine_row, finalize_row, gateway_phases
+from layerscope.probes.requests import OUTER_FIELDS, finalize_row
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
@@ -42,11 +47,12 @@ LEVELS = ("off", "default", "full")
 class _Req:
     """What the recorder keeps about one request (appended to on the hot path)."""
 
-    __slots__ = ("rid", "req", "events", "step_idx", "sampled_idx", "num_out", "info", "row", "trace_id")
+    __slots__ = ("rid", "req", "out", "events", "step_idx", "sampled_idx", "num_out", "info", "row", "trace_id")
 
     def __init__(self, req):
         self.rid: str = req.request_id
         self.req = req
+        self.out: list[int] = req.output_token_ids  # the engine appends to this list: read its length per step
         self.events: list = []
         self.step_idx: list[int] = []
         self.sampled_idx: list[int] = []
@@ -73,7 +79,7 @@ class ProbeRecorder(Recorder):
         profile_max_windows: int = 4,
         pyspy: bool = True,
         pyspy_rate: int = 100,
-        metrics_every_steps: int = 8,
+        metrics_every_steps: int = 64,
     ):
         if level not in LEVELS:
             raise ValueError(f"probes level must be one of {', '.join(LEVELS)}; got {level!r}")
@@ -87,8 +93,12 @@ class ProbeRecorder(Recorder):
         self.resolved: dict[str, Any] | None = None
         self.start_ns: int | None = None
         self.end_ns: int | None = None
-        self._steps: list[StepRecord] = []
+        self._steps: list[StepRecord] = []  # steps from index _step_base on (drain() drops older ones)
         self._sampled: list[int] = []  # tokens sampled per step, beside _steps
+        self._step_base = 0  # absolute index (in recording order) of _steps[0]
+        self._layer_base = 0  # absolute index of _layer_times[0]
+        self._steps_drained = 0  # absolute index of the first step no drain() has handed out
+        self._stale: set[str] = set()  # gateway fields of requests never seen, as of the last drain
         self._feed: MetricsFeed | None = None
         self._coll_ns: dict[int, int] = {}  # rank-0 collective time per step id
         self._layer_times: list[tuple[int, list[tuple[str, int]]]] = []
@@ -183,7 +193,7 @@ class ProbeRecorder(Recorder):
     def on_step(self, step: StepRecord, layer_times) -> None:
         if not self.enabled:
             return
-        idx = len(self._steps)
+        idx = self._step_base + len(self._steps)
         self._steps.append(step)
         live = self._live
         sampled = 0
@@ -192,7 +202,7 @@ class ProbeRecorder(Recorder):
             if st is None:
                 continue
             st.step_idx.append(idx)
-            n = len(st.req.output_token_ids)
+            n = len(st.out)
             if n != st.num_out:
                 st.num_out = n
                 st.sampled_idx.append(idx)
@@ -200,8 +210,10 @@ class ProbeRecorder(Recorder):
         self._sampled.append(sampled)
         if layer_times:
             self._layer_times.append((step.step_id, layer_times))
-        if self._feed is not None:
-            self._feed.step_recorded(len(self._steps), not (step.num_running or step.num_waiting), self)
+        feed = self._feed
+        if feed is not None and (idx + 1 - feed._flushed >= feed.every_steps
+                                 or not (step.num_running or step.num_waiting)):
+            feed.flush(self)  # every every_steps steps, and when the engine goes idle
 
     def flush_metrics(self) -> None:
         """Put what was recorded since the last flush into Prometheus (the step loop does every
@@ -234,7 +246,7 @@ class ProbeRecorder(Recorder):
             "num_preemptions": request.num_preemptions,
             "num_recomputed_tokens": request.num_recomputed_tokens,
         }
-        st.req = None
+        st.req = st.out = None
         self._done.append(st)
         if self._feed is not None:
             self._feed.request_finished(st, idle=not self._live, recorder=self)
@@ -262,21 +274,14 @@ class ProbeRecorder(Recorder):
     # ---- building the tables (off the hot path) ---------------------------------------------
     def _build(self, st: _Req, coll: dict[int, int] | None = None) -> None:
         """The request's engine row and its trace (once per request)."""
-        rid = st.rid
-        row, phases, _ = engine_row(rid, self._replica_col, st.info, st.events, self._steps, st.step_idx,
-                                    st.sampled_idx, coll if coll is not None else self._coll_ns)
-        view = _fill(dict(row), self._outer.get(rid, {}))
-        tp = self._traceparents.get(rid)  # from the gateway (this process's gateway_begin, or another's)
-        if tp is None and rid in self._outer:
-            phases = gateway_phases(view) + phases
-        start = view["gateway_arrival_ns"] if tp is None and view["gateway_arrival_ns"] else view["engine_arrival_ns"]
-        end = max([p.end_ns for p in phases] + [view["engine_finished_ns"] or start])
-        root = Phase("request" if tp is None else "engine.request", None, start, end, {
-            "status": row["status"], "num_prompt_tokens": row["num_prompt_tokens"],
-            "num_output_tokens": row["num_output_tokens"], "replica": self._replica_col})
-        st.trace_id = self.tracer.trace_request(rid, root, phases, tp)
-        row["trace_id"] = st.trace_id
-        st.row = row
+        base = self._step_base
+        step_idx, sampled_idx = st.step_idx, st.sampled_idx
+        if base:  # drain() dropped older steps: indices into what is kept
+            step_idx, sampled_idx = [i - base for i in step_idx], [i - base for i in sampled_idx]
+        st.row = build_request(st.rid, self._replica_col, st.info, st.events, self._steps, step_idx, sampled_idx,
+                               coll if coll is not None else self._coll_ns, self._outer.get(st.rid),
+                               self._traceparents.get(st.rid), self.tracer)
+        st.trace_id = st.row["trace_id"]
 
     def request_rows(self, finalize: bool = True) -> list[dict[str, Any]]:
         """One dict per request: engine rows, gateway/client fields filling their columns.
@@ -296,7 +301,7 @@ class ProbeRecorder(Recorder):
             if rid not in rows:
                 rows[rid] = {c: None for c in schema.REQUESTS.names}
                 rows[rid].update(request_id=rid, trace_id=self._gateway_traces.get(rid))
-            _fill(rows[rid], fields)
+            fill(rows[rid], fields)
         out = list(rows.values())
         return [finalize_row(r) for r in out] if finalize else out
 
@@ -325,6 +330,81 @@ class ProbeRecorder(Recorder):
 
         return make_export(self)
 
+    def drain(self) -> dict[str, Any] | None:
+        """What is done since the last drain, as plain picklable data, dropped from memory.
+
+        Finished requests as recorded (info, events, step indices, gateway fields, traceparent:
+        their rows and spans are built by ``drain_tables`` in the process that writes the bundle,
+        off this engine's step loop), every step from the first one they took part in (``steps``;
+        those from step id ``write_from_step_id`` on were not handed out before, the earlier ones
+        are context for the breakdown), layer times, collectives, kernels and spans recorded since.
+        Steps a live request still references stay.
+        """
+        if not self.enabled:
+            return None
+        self.flush_metrics()  # the metrics feed has what it reads of the steps before they go
+        coll = self._coll_ns
+        done, self._done = self._done, []
+        end = self.num_steps
+        base = self._step_base
+        lo = min([self._steps_drained, end] + [st.step_idx[0] for st in done if st.row is None and st.step_idx])
+        raw, rows = [], []
+        for st in done:
+            outer = self._outer.pop(st.rid, None)
+            tp = self._traceparents.pop(st.rid, None)
+            if st.row is not None:  # built already (OTLP wants spans at once)
+                rows.append(fill(dict(st.row), outer or {}))
+            else:
+                raw.append((st.rid, st.info, st.events, [i - lo for i in st.step_idx],
+                            [i - lo for i in st.sampled_idx], outer, tp))
+        # gateway fields of requests this replica never ran (refused by the engine): one drain's grace
+        unknown = {rid for rid in self._outer if rid not in self._live}
+        for rid in unknown & self._stale:
+            rows.append(fill({c: None for c in schema.REQUESTS.names}, {"request_id": rid, **self._outer.pop(rid)}))
+            self._traceparents.pop(rid, None)
+        self._stale = unknown - self._stale
+        context = self._steps[lo - base:]
+        write_from = self._steps[self._steps_drained - base].step_id if self._steps_drained < end else None
+        spans = self.tracer.exporter.rows
+        out = {
+            "format": DRAIN_FORMAT,
+            "schema_version": schema.SCHEMA_VERSION,
+            "replica": str(self.replica),
+            "replica_col": self._replica_col,
+            "probes": self.level,
+            "config": self.config,
+            "resolved": self.resolved,
+            "start_ns": self.start_ns,
+            "num_steps": end,
+            "write_from_step_id": write_from,
+            "requests_raw": raw,
+            "request_rows": rows,
+            "steps": context,
+            "coll_ns": {s.step_id: coll[s.step_id] for s in context if s.step_id in coll} if coll else {},
+            "layer_times": self._layer_times,
+            "collectives": self._collectives,
+            "kernels": list(self.profiler.rows) if self.profiler is not None else [],
+            "spans": list(spans),
+        }
+        # drop what was handed out: steps before the first one a live request took part in
+        keep = min([st.step_idx[0] for st in self._live.values() if st.step_idx] + [end])
+        lock = self._feed._lock if self._feed is not None else _NO_LOCK
+        with lock:
+            del self._steps[:keep - base]
+            del self._sampled[:keep - base]
+            self._step_base = keep
+            self._layer_base += len(self._layer_times)
+            self._layer_times = []
+        self._steps_drained = end
+        first_kept = self._steps[0].step_id if self._steps else None
+        for sid in [k for k in coll if first_kept is None or k < first_kept]:
+            del coll[sid]
+        self._collectives = []
+        if self.profiler is not None:
+            del self.profiler.rows[:]
+        del spans[:]
+        return out
+
     def metrics_text(self) -> str:
         """The Prometheus exposition of this recorder's registry ('' when off)."""
         if self.metrics is None:
@@ -348,11 +428,13 @@ class ProbeRecorder(Recorder):
     def recorded_since(self, num_steps: int, num_layer_samples: int) -> Recorded:
         """Steps after the first ``num_steps``, the tokens sampled in them, and layer-time samples after
         the first ``num_layer_samples``."""
-        return Recorded(self._steps[num_steps:], sum(self._sampled[num_steps:]), self._layer_times[num_layer_samples:])
+        i = max(num_steps - self._step_base, 0)
+        return Recorded(self._steps[i:], sum(self._sampled[i:]),
+                        self._layer_times[max(num_layer_samples - self._layer_base, 0):])
 
     def step(self, index: int) -> StepRecord:
         """The ``index``-th recorded step (0-based, in recording order)."""
-        return self._steps[index]
+        return self._steps[index - self._step_base]
 
     def gateway_fields(self, request_id: str) -> dict[str, Any] | None:
         """The gateway's fields of ``request_id`` (``set_request_timestamps``), or None."""
@@ -370,7 +452,7 @@ class ProbeRecorder(Recorder):
 
     @property
     def num_steps(self) -> int:
-        return len(self._steps)
+        return self._step_base + len(self._steps)
 
     def shutdown(self) -> None:
         """Release the tracer (flushes OTLP) and our temporary trace directory; call after writing."""
@@ -382,10 +464,4 @@ class ProbeRecorder(Recorder):
             shutil.rmtree(self.trace_dir, ignore_errors=True)
 
 
-def _fill(row: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-    """Set ``fields`` into ``row`` where the row has no value yet (the engine's own values win)."""
-    for k, v in fields.items():
-        if v is not None and row.get(k) is None:
-            row[k] = v
-    return row
-
+_NO_LOCK = contextlib.nullcontext()

@@ -11,11 +11,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import pyarrow as pa
+
 from layerscope.engine.recorder import GatewayRecorder, GatewayRequest, Recorder, RecorderFactory
 from layerscope.contract import FINISH_REASON
+from layerscope.probes import schema
 from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
+from layerscope.probes.drain import make_drain
 from layerscope.probes.recorder import LEVELS, ProbeRecorder
 from layerscope.probes.requests import gateway_phases
+from layerscope.probes.tables import rows_table
 
 
 def recorders(level: str = "default", **options: Any) -> RecorderFactory:
@@ -166,3 +171,20 @@ class GatewayProbeRecorder(ProbeRecorder, GatewayRecorder):
 
     def metric_families(self, stats=None) -> list:
         return list(self.metrics.registry.collect())
+
+    def drain(self) -> dict[str, Any] | None:
+        """The requests the gateway answered since the last drain (their gateway fields and trace id)
+        and the spans closed since, dropped from memory; requests in flight stay."""
+        if not self.enabled:
+            return None
+        rows = []
+        for rid in [rid for rid, f in self._outer.items() if f.get("gateway_finished_ns") is not None]:
+            row = {c: None for c in schema.REQUESTS.names}
+            row.update(self._outer.pop(rid), request_id=rid, trace_id=self._gateway_traces.pop(rid, None))
+            self._traceparents.pop(rid, None)
+            rows.append(row)
+        spans = self.tracer.exporter.rows
+        out = make_drain(self, {"requests": pa.Table.from_pylist(rows, schema=schema.REQUESTS),
+                                "spans": rows_table(spans, schema.SPANS)}, None)
+        del spans[:]
+        return out

@@ -30,7 +30,8 @@ def use_otlp_endpoint(url: str | None) -> None:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = url
 
 
-def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFactory | None = None):
+def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFactory | None = None,
+                  rolling: bool = False):
     """EngineConfig + Faults from the command line, and a Gateway (not started yet): a bad ``--set`` or
     ``--fault`` (or one this run cannot have) is an error here, before anything starts.
 
@@ -48,7 +49,8 @@ def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFac
     config = EngineConfig.from_overrides(**overrides)
     faults = Faults.parse(args.fault)
     return Gateway(config, faults, num_replicas=args.replicas, recorders=recorders,
-                   served_model_name=getattr(args, "served_model_name", None), record=record)
+                   served_model_name=getattr(args, "served_model_name", None), record=record,
+                   rolling=rolling)
 
 
 def warmup_line(gateway, prog: str = "serve") -> str:

@@ -1,5 +1,8 @@
 """The gateway core: admission -> router -> replica hand-off, and the way back.
 
+(Over 400 lines: one object owns the request path and the replica messages, records and
+drains included, all on one event loop; HTTP is in server.py, replicas in replica.py.)
+
 ``Gateway`` owns the replica processes, the admission queue, the router and every
 request in flight. It runs on one asyncio event loop (the HTTP server's); replica
 reader threads hop onto that loop with ``call_soon_threadsafe`` and drop each token
@@ -38,6 +41,8 @@ from layerscope.engine.gateway.messages import (
     AbortRequest,
     AddRequest,
     CollectRecords,
+    Drained,
+    DrainRecords,
     Exited,
     Fatal,
     MetricsSnapshot,
@@ -100,10 +105,11 @@ class Gateway:
 
     def __init__(self, config: EngineConfig, faults: Faults | None = None, num_replicas: int = 1,
                  recorders: RecorderFactory | None = None, served_model_name: str | None = None,
-                 record: bool = True):
+                 record: bool = True, rolling: bool = False):
         """``recorders``: makes the gateway's recorder and every replica's (``probes.serving.recorders``;
         None: probes off); ``record``: keep a GatewayRecord per request in ``records`` and every
-        request's probes record (a run; not a long-lived server).
+        request's probes record (a run; not a long-lived server); ``rolling``: record every request
+        for a rolling bundle, which takes what is done with ``drain_records()`` (a long-lived server).
 
         Faults are checked against this run (replicas, TP, the model's rows) before anything starts.
         """
@@ -133,6 +139,7 @@ class Gateway:
                          for i in range(num_replicas)]
         self.num_in_flight = [0] * num_replicas
         self.records: list[GatewayRecord] = []
+        self.num_answered = 0  # requests the gateway is done with (answered, failed or refused)
         self.replica_families: list[list] = [[] for _ in range(num_replicas)]
         self.replica_stats: list[dict[str, Any]] = [{} for _ in range(num_replicas)]
         self.max_model_len = 0
@@ -140,10 +147,11 @@ class Gateway:
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._collect: dict[int, concurrent.futures.Future] = {}
+        self._drain: dict[int, concurrent.futures.Future] = {}
         self._started = False
         self._stopping = False
         # the gateway's own recorder: its metrics, and with ``record`` its spans and request fields
-        self.recorder = recorders.gateway(self.model_name, keep_requests=record)
+        self.recorder = recorders.gateway(self.model_name, keep_requests=record or rolling)
         self.recording = self.recorder.enabled
         self.recorder.configure(config)
 
@@ -309,6 +317,7 @@ class Gateway:
         fields = {k: getattr(rec, k) for k in ("status", "http_status", "error", "gateway_arrival_ns",
                                                "gateway_admitted_ns", "gateway_routed_ns", "gateway_first_token_ns",
                                                "gateway_finished_ns", "replica") if getattr(rec, k) is not None}
+        self.num_answered += 1
         done = GatewayRequest(rec.request_id, fields, attributes=gen_ai_attributes(rec, self.model_name))
         if latencies and rec.ttft_s is not None:
             done.ttft_s, done.itl_s, done.tpot_s = rec.ttft_s, rec.itl_s, rec.tpot_s
@@ -336,6 +345,10 @@ class Gateway:
             fut = self._collect.pop(idx, None)
             if fut is not None:
                 fut.set_result(msg.export)
+        elif isinstance(msg, Drained):
+            fut = self._drain.pop(idx, None)
+            if fut is not None:
+                fut.set_result(msg.export)
         elif self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, idx, msg)
@@ -344,9 +357,10 @@ class Gateway:
         if isinstance(msg, (Fatal, Exited)):
             if not self._stopping:
                 logger.error("%s", msg.message if isinstance(msg, Fatal) else f"replica {idx} exited")
-            fut = self._collect.pop(idx, None)
-            if fut is not None:
-                fut.set_result(None)
+            for futs in (self._collect, self._drain):
+                fut = futs.pop(idx, None)
+                if fut is not None:
+                    fut.set_result(None)
 
     def _dispatch(self, idx: int, msg: object) -> None:
         """Runs on the event loop."""
@@ -382,6 +396,37 @@ class Gateway:
             except concurrent.futures.TimeoutError:
                 logger.warning("replica %d sent no records within %.0f s", i, timeout_s)
         return out
+
+    def drain_records(self, timeout_s: float = 60.0) -> tuple[Any, list[Any]]:
+        """What every recorder has done since the last drain, dropped from their memory: the gateway
+        recorder's ``drain()`` (taken on the event loop, which owns it) and each replica's (None where
+        probes are off or the replica is gone). Call from a non-loop thread (the rolling bundle's)."""
+        futs = {}
+        for r in self.replicas:
+            if r.alive:
+                futs[r.index] = self._drain[r.index] = concurrent.futures.Future()
+                r.send(DrainRecords())
+        own: concurrent.futures.Future = concurrent.futures.Future()
+
+        def drain_own() -> None:
+            try:
+                own.set_result(self.recorder.drain())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                own.set_exception(e)
+
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and loop.is_running():
+            loop.call_soon_threadsafe(drain_own)
+        else:  # no loop (yet, or any more): nothing else touches the recorder
+            drain_own()
+        out: list[Any] = [None] * len(self.replicas)
+        for i, fut in futs.items():
+            try:
+                out[i] = fut.result(timeout_s)
+            except concurrent.futures.TimeoutError:
+                self._drain.pop(i, None)
+                logger.warning("replica %d sent no drained records within %.0f s", i, timeout_s)
+        return own.result(timeout_s), out
 
     def metrics_text(self) -> bytes:
         """Prometheus exposition: the gateway's own metrics plus every replica's last snapshot."""

@@ -1,7 +1,7 @@
 """The messages between the gateway and its replica processes (over multiprocessing queues).
 
-    gateway -> replica   AddRequest, AbortRequest, CollectRecords, Shutdown
-    replica -> gateway   Ready, Outputs, RequestError, MetricsSnapshot, Records, Fatal, Exited
+    gateway -> replica   AddRequest, AbortRequest, CollectRecords, DrainRecords, Shutdown
+    replica -> gateway   Ready, Outputs, RequestError, MetricsSnapshot, Records, Drained, Fatal, Exited
 
 Each is pickled onto the queue; ``Outputs`` carries one ``TokenDelta`` per request the
 step advanced.
@@ -56,6 +56,11 @@ class CollectRecords:
 
 
 @dataclass
+class DrainRecords:
+    """Send back what the recorder has done since the last drain (``Recorder.drain``) and drop it."""
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -92,6 +97,11 @@ class MetricsSnapshot:
 @dataclass
 class Records:
     export: dict[str, Any] | None  # the recorder's export(); None without probes
+
+
+@dataclass
+class Drained:
+    export: dict[str, Any] | None  # the recorder's drain(); None without probes
 
 
 @dataclass

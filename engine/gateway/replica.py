@@ -1,7 +1,7 @@
 """Engine replicas as separate processes, so the HTTP event loop never waits on a forward pass.
 
 Child side (``replica_main``): an ``LLMEngine`` in a loop. Between steps it drains its
-inbox (add / abort / collect / shutdown), then runs one step and sends that step's
+inbox (add / abort / collect / drain / shutdown), then runs one step and sends that step's
 token deltas back in one message. It pushes a metrics snapshot (the probes registry's
 families) at most every ``METRICS_INTERVAL_S`` while busy and whenever it goes idle,
 so a scrape at the gateway sees the idle state (KV usage back to its idle value) as
@@ -32,6 +32,8 @@ from layerscope.engine.gateway.messages import (
     AbortRequest,
     AddRequest,
     CollectRecords,
+    Drained,
+    DrainRecords,
     Exited,
     Fatal,
     MetricsSnapshot,
@@ -116,6 +118,13 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
                 elif isinstance(msg, CollectRecords):
                     recorder.stop()  # ends the recording window (profiler, py-spy); the replica keeps serving
                     outbox.put(Records(recorder.export()))
+                elif isinstance(msg, DrainRecords):
+                    try:
+                        drained = recorder.drain()
+                    except Exception:  # noqa: BLE001 - a broken drain loses one part, not the replica
+                        logger.exception("replica %d: drain() failed", index)
+                        drained = None
+                    outbox.put(Drained(drained))
                 elif isinstance(msg, Shutdown):
                     stop = True
                 else:
@@ -212,7 +221,7 @@ class ReplicaClient:
         self._reader = threading.Thread(target=loop, name=f"replica-{self.index}-reader", daemon=True)
         self._reader.start()
 
-    def send(self, msg: AddRequest | AbortRequest | CollectRecords | Shutdown) -> None:
+    def send(self, msg: AddRequest | AbortRequest | CollectRecords | DrainRecords | Shutdown) -> None:
         self.inbox.put(msg)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

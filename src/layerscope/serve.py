@@ -10,6 +10,8 @@ import argparse
 import logging
 import os
 import sys
+import uuid
+from datetime import datetime
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -19,15 +21,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    gateway = build_gateway(args, record=False, recorders=recorders(args.probes))
+    rolling = args.probes != "off" and args.bundle != "none"
+    if rolling:  # checked before anything is built
+        from layerscope.probes.rolling import RollingBundleWriter, parse_retention
+
+        retention_s, retention_bytes = parse_retention(args.retention)
+        if args.bundle_interval <= 0:
+            raise ValueError(f"--bundle-interval must be > 0 seconds, got {args.bundle_interval}")
+        if args.bundle_max_requests < 0:
+            raise ValueError(f"--bundle-max-requests must be >= 0, got {args.bundle_max_requests}")
+    gateway = build_gateway(args, record=False, recorders=recorders(args.probes), rolling=rolling)
+    writer = None
+    if rolling:  # after the config was checked: a refused command line leaves no bundle behind
+        out = args.bundle or os.path.join(
+            "runs", f"serve-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
+        writer = RollingBundleWriter(out, probes=args.probes, retention_s=retention_s,
+                                     retention_bytes=retention_bytes)
+    bundle = None
     try:
         print(f"layerscope serve: starting {args.replicas} replica(s) of {args.model} ...", file=sys.stderr, flush=True)
         gateway.start(timeout_s=args.startup_timeout)
         print(warmup_line(gateway), file=sys.stderr, flush=True)
+        if writer is not None:
+            from layerscope.probes.rolling import RollingBundle
+
+            bundle = RollingBundle(gateway, writer, args.bundle_interval, args.bundle_max_requests).start()
+            print(f"layerscope serve: rolling bundle {writer.out} (a part every {args.bundle_interval:g} s "
+                  f"or {args.bundle_max_requests} requests)",
+                  file=sys.stderr, flush=True)
         serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True),
               metrics_extra=_vllm_dialect if args.metrics_dialect == "vllm" else None)
     finally:
-        gateway.shutdown()
+        try:
+            if bundle is not None:
+                print(f"layerscope serve: bundle {bundle.close()} complete", file=sys.stderr, flush=True)
+        finally:
+            gateway.shutdown()
     return 0
 
 
@@ -52,4 +81,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the replicas to load")
     p.add_argument("--metrics-dialect", choices=["vllm"], default=None,
                    help="also expose /metrics under vLLM v1 names and labels (docs/external.md)")
+    p.add_argument("--bundle", default=None, metavar="DIR",
+                   help="rolling run bundle written as the server runs (default: runs/serve-<time>; 'none': no bundle)")
+    p.add_argument("--bundle-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="write a part of the bundle every SECONDS (a crash loses at most the last interval)")
+    p.add_argument("--bundle-max-requests", type=int, default=5000, metavar="N",
+                   help="write a part sooner once N requests were answered since the last one (0: by time only)")
+    p.add_argument("--retention", default=None, metavar="AGE|SIZE",
+                   help="keep only the last parts of the bundle: 6h, 30m, 2d or 2GB, 500MB (default: all)")
     p.set_defaults(func=cmd_serve)

@@ -27,8 +27,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
+def server(tiny_model, tmp_path_factory):
     cmd = [sys.executable, "-m", "layerscope", "serve", "--model", str(tiny_model), "--port", "0", "--api-key", KEY,
+           "--bundle", str(tmp_path_factory.mktemp("serve") / "bundle"),
            "--set", "num_kv_blocks=128", "--set", "max_num_seqs=4", "--set", "gateway.max_concurrency=2",
            "--set", "gateway.max_queue=2", "--set", "gateway.retry_after_s=3",
            # the tiny model decodes a token in about a millisecond: slow the steps down so that
