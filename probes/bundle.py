@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerscope.probes import schema
-from layerscope.probes.breakdown import TTFT_COLUMNS, memberships, request_breakdown
+from layerscope.probes.breakdown import STORED_COLUMNS, TTFT_COLUMNS, memberships, request_breakdown
 from layerscope.probes.metrics import merge_exposition
 from layerscope.probes.reader import (  # noqa: F401  (Bundle, read_bundle, read_manifest: re-exported)
     MANIFEST, METRICS_FILE, TRACES_DIR, Bundle, BundleError, check_version, frame, read_bundle, read_json,
@@ -119,22 +119,28 @@ def write_part(source, part_dir: str | Path) -> Path:
     return d
 
 
-def with_ttft_components(rows: list[dict[str, Any]], steps: pa.Table, spans: pa.Table) -> list[dict[str, Any]]:
-    """``rows`` (finalized request rows) with their ``ttft_*`` components from ``breakdown.request_breakdown``
-    over the tables being written: the numbers diagnose derives from the bundle. Null for a request
-    the engine never gave a first token (or with no TTFT)."""
+def with_components(rows: list[dict[str, Any]], steps: pa.Table, spans: pa.Table) -> list[dict[str, Any]]:
+    """``rows`` (finalized request rows) with every stored component (``breakdown.STORED_COLUMNS``:
+    ttft_*/e2e_*/tpot_* per layer, residuals, the decode composition) from
+    ``breakdown.request_breakdown`` over the tables being written: the numbers diagnose would derive
+    from the bundle, stored so that it need not (a million requests). ``ttft_*`` are null for a
+    request the engine never gave a first token (or with no TTFT); any other is null where the
+    breakdown has no value."""
     if not rows:
         return rows
     requests = frame(pa.Table.from_pylist(rows, schema=schema.REQUESTS))
-    requests[TTFT_COLUMNS] = np.nan  # derived here, never carried over
+    requests[STORED_COLUMNS] = np.nan  # derived here, never carried over
     tables = SimpleNamespace(requests=requests, steps=frame(steps, skip=("request_ids", "request_num_tokens")),
                              spans=frame(spans), memberships=memberships(steps, requests["request_id"].to_numpy()))
     bd = request_breakdown(tables)
-    values = bd[TTFT_COLUMNS].to_numpy(np.float64)
+    values = bd[STORED_COLUMNS].to_numpy(np.float64)
+    ttft = set(TTFT_COLUMNS)
     out = []
     for i, r in enumerate(rows):
         known = all(r.get(k) is not None for k in ("engine_arrival_ns", "engine_first_token_ns", "ttft_s"))
-        out.append({**r, **{c: float(values[i, j]) if known else None for j, c in enumerate(TTFT_COLUMNS)}})
+        out.append({**r, **{c: None if (c in ttft and not known) or np.isnan(values[i, j])
+                            else int(values[i, j]) if c.startswith("num_") else float(values[i, j])
+                            for j, c in enumerate(STORED_COLUMNS)}})
     return out
 
 
@@ -272,7 +278,7 @@ class BundleWriter:
                     table = table.sort_by([("replica", "ascending"), ("step_id", "ascending")])
                 tables[name] = table
                 write_table(tmp / f"{name}.parquet", table)
-            rows = with_ttft_components(self.request_rows(), tables["steps"], tables["spans"])
+            rows = with_components(self.request_rows(), tables["steps"], tables["spans"])
             write_table(tmp / "requests.parquet", pa.Table.from_pylist(rows, schema=schema.REQUESTS))
             write_text(tmp / METRICS_FILE, merge_exposition(self._metrics))
             (tmp / TRACES_DIR).mkdir()

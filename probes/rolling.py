@@ -40,7 +40,7 @@ from layerscope.contract import is_finished, percentiles
 from layerscope.probes import schema
 from layerscope.probes.bundle import (
     MANIFEST, METRICS_FILE, PART_FORMAT, TRACES_DIR, BundleError, check_version, table_from_bytes,
-    with_ttft_components, write_table, write_text,
+    with_components, write_table, write_text,
 )
 from layerscope.probes.drain import DRAIN_FORMAT, drain_tables
 from layerscope.probes.requests import finalize_row
@@ -142,7 +142,7 @@ class RollingBundleWriter:
                                  if self._context else schema.STEPS.empty_table())
         ctx_spans = pa.concat_tables([p for q in self._context.values() for _, p, _ in q]) \
             if self._context else schema.SPANS.empty_table()
-        rows = with_ttft_components(rows, ctx_steps, ctx_spans)
+        rows = with_components(rows, ctx_steps, ctx_spans)
         del ctx_steps, ctx_spans
         self._prune_context()
         rows.sort(key=lambda r: (r["gateway_arrival_ns"] or r["engine_arrival_ns"] or 0, r["request_id"]))

@@ -13,8 +13,8 @@ import pytest
 from layerscope.engine.llm_engine import LLMEngine
 from layerscope.engine.config import EngineConfig
 from layerscope.probes import schema
-from layerscope.probes.breakdown import TTFT_COLUMNS
-from layerscope.probes.bundle import with_ttft_components
+from layerscope.probes.breakdown import STORED_COLUMNS, TTFT_COLUMNS
+from layerscope.probes.bundle import with_components
 from layerscope.probes.recorder import ProbeRecorder
 from layerscope.probes.rolling import PART_NAME, RollingBundleWriter, parse_retention
 
@@ -77,10 +77,10 @@ def test_rolling_parts_hold_every_request_once_with_the_breakdown_of_the_whole_r
     assert m["summary"]["num_steps"] == rec.num_steps
     # the parts' components equal those computed over the whole run at once
     rows = req.to_pylist()
-    whole = with_ttft_components([{**r, **{c: None for c in TTFT_COLUMNS}} for r in rows], steps, _parts(b, "spans"))
-    got = np.array([[r[c] for c in TTFT_COLUMNS] for r in rows], dtype=float)
-    want = np.array([[r[c] for c in TTFT_COLUMNS] for r in whole], dtype=float)
-    assert not np.isnan(got).any()
+    whole = with_components([{**r, **{c: None for c in STORED_COLUMNS}} for r in rows], steps, _parts(b, "spans"))
+    got = np.array([[r[c] for c in STORED_COLUMNS] for r in rows], dtype=float)
+    want = np.array([[r[c] for c in STORED_COLUMNS] for r in whole], dtype=float)
+    assert not np.isnan(got[:, :len(TTFT_COLUMNS)]).any() and not np.isnan(want).all(axis=0).any()
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
     # nothing done stays in memory
     assert rec._steps == [] and rec._done == [] and rec._outer == {} and rec.tracer.rows == []
