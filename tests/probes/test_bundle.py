@@ -204,21 +204,25 @@ def test_duplicate_request_ids(copy):
 
 
 def test_recorded_components_are_the_breakdown_diagnose_derives(default_run):
-    """The writer stores what diagnose computes from the written tables: blank the recorded columns
-    and the breakdown derives the same numbers (one function, not two that agree by luck)."""
+    """The writer stores what diagnose computes from the written tables: every stored component
+    (ttft_*/e2e_*/tpot_* per layer, residuals, decode composition) equals what the breakdown derives
+    from the steps' memberships (one function, not two that agree by luck)."""
     import numpy as np
 
     from layerscope.diagnose.decompose import request_breakdown
     from layerscope.diagnose.load import load_run
-    from layerscope.probes.breakdown import TTFT_COLUMNS
+    from layerscope.probes.breakdown import STORED_COLUMNS, TTFT_COLUMNS
+    from layerscope.probes.bundle import read_bundle
 
-    run = load_run(default_run.bundle)
-    recorded = run.requests[TTFT_COLUMNS].to_numpy()
-    assert not np.isnan(recorded).any()
-    run.requests = run.requests.assign(**{c: np.nan for c in TTFT_COLUMNS})
+    stored = read_bundle(default_run.bundle).requests
+    assert not np.isnan(stored[TTFT_COLUMNS].to_numpy(np.float64)).any()
+    run = load_run(default_run.bundle)  # diagnose reads the requests without the stored columns
     derived = request_breakdown(run)
     assert not derived["ttft_recorded"].any()
-    assert np.allclose(derived[TTFT_COLUMNS].to_numpy(), recorded, rtol=0, atol=1e-12)
+    assert list(derived["request_id"]) == list(stored["request_id"])
+    want = stored[STORED_COLUMNS].to_numpy(np.float64)
+    assert not np.isnan(want).all(axis=0).any()  # every stored column holds values
+    np.testing.assert_allclose(derived[STORED_COLUMNS].to_numpy(np.float64), want, rtol=0, atol=1e-12)
 
 
 def test_write_refuses_to_clobber(tmp_path, default_run):
