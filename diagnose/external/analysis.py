@@ -18,7 +18,7 @@ import numpy as np
 from layerscope.diagnose.external import measures as ms
 from layerscope.diagnose.external.config import engine_diff
 from layerscope.diagnose.external.run import ExternalRun, load_external
-from layerscope.diagnose.stats import DEFAULT_RULE, Rule, compare_quantile, compare_rate, quantile
+from layerscope.diagnose.stats import DEFAULT_RULE, Rule, compare_quantile, compare_rate, quantile, sensitivity
 
 SCHEMA = "layerscope.diagnosis/1"
 REPORT_SCHEMA = "layerscope.external-report/1"
@@ -314,7 +314,7 @@ def _bd_bound(h: tuple[list[float], list[float], float, float], mean: float) -> 
 
 def compare_histograms(ha, hb, rule: Rule = DEFAULT_RULE) -> dict:
     """Compare the means of two histogram deltas (seconds per request) with the rule of
-    ``diagnose.stats`` (minimum effect of a median, absolute size, alpha). Only buckets are
+    ``diagnose.stats`` (its floor from the SE and the run-to-run prior, and alpha). Only buckets are
     known, so the test is a z-test with the largest variance the buckets allow (conservative:
     a change it calls is there whatever the observations inside the buckets were)."""
     ma = ha[2] / ha[3] if ha[3] > 0 else math.nan
@@ -329,9 +329,11 @@ def compare_histograms(ha, hb, rule: Rule = DEFAULT_RULE) -> dict:
     p = math.erfc(z / math.sqrt(2))
     half = 1.959964 * se
     lo, hi = (delta - half) / ma, (delta + half) / ma
-    sig = abs(delta / ma) >= rule.min_effect["p50"] and abs(delta) >= rule.min_abs_s and p < rule.alpha
+    # the floor of diagnose.stats: the relative SE of the buckets' bound and a run-to-run prior
+    sens = sensitivity(se / ma, rule.pair_run_se(None, "p50"), rule)
+    sig = 100 * abs(delta / ma) >= sens["floor_pct"] and p < rule.alpha
     return {**out, "delta_pct": 100 * delta / ma, "ci_pct": [100 * lo, 100 * hi], "p_value": None, "z_p_value": p,
-            "significant": bool(sig), "worse": bool(sig and delta > 0)}
+            "significant": bool(sig), "worse": bool(sig and delta > 0), **sens}
 
 
 def server_finding(name: str, concept: str, layer: str, metric: dict, causes: dict, cdiff: list[dict]) -> dict:

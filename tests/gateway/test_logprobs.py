@@ -27,7 +27,7 @@ K = 5
 @pytest.fixture(scope="module")
 def stack(tiny_model):
     config = EngineConfig.from_overrides(model=str(tiny_model), num_kv_blocks=128)
-    gateway = Gateway(config, num_replicas=1, probes="off", record=False, served_model_name="tiny")
+    gateway = Gateway(config, num_replicas=1, recorders=None, record=False, served_model_name="tiny")
     with serving(gateway) as url:
         yield gateway, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 

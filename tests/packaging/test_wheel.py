@@ -41,6 +41,8 @@ ACTIONS = {
     "dashboards": "test_actions_from_the_repository_root",
     "regress": "test_actions_from_the_repository_root",
     "demo": "test_demo_from_elsewhere",
+    "watch": "test_actions_from_the_repository_root",  # a window of the served server
+    "import": "test_actions_from_the_repository_root",  # the bench's own /metrics and vLLM result
 }
 WORKLOAD = ["--workload", "chat", "--num-requests", "6", "--rate", "0", "--param", "output_len=6"]
 
@@ -144,7 +146,10 @@ def test_actions_from_the_repository_root(venv, tmp_path):
         ls(venv, "bench", "--endpoint", url, *WORKLOAD, "--out", str(tmp_path / "bench"), cwd=cwd)
         ls(venv, "bench", "--base-url", url, "--model", str(model), "--dataset-name", "random", "--num-prompts", "4",
            "--random-input-len", "16", "--random-output-len", "4", "--out", str(tmp_path / "vbench"),
-           "--save-result", "--result-dir", str(tmp_path / "vres"), cwd=cwd)  # vllm bench serve's flags
+           "--save-result", "--save-detailed", "--result-dir", str(tmp_path / "vres"), cwd=cwd)  # vllm bench serve's flags
+        ls(venv, "watch", url, "--duration", "2", "--out", str(tmp_path / "watch"), cwd=cwd)
+    watched = json.loads((tmp_path / "watch" / "manifest.json").read_text())
+    assert watched["engine"]["family"] == "layerscope"
     (vres,) = (tmp_path / "vres").glob("openai-infqps-tiny-*.json")
     assert json.loads(vres.read_text())["total_output_tokens"] == 16
     bench = json.loads((tmp_path / "bench" / "manifest.json").read_text())
@@ -158,6 +163,11 @@ def test_actions_from_the_repository_root(venv, tmp_path):
     assert diag["schema"] == "layerscope.diagnosis/1"
     assert "max_num_seqs" in ls(venv, "config-diff", str(tmp_path / "a"), str(tmp_path / "b"), cwd=cwd).stdout
     ls(venv, "diagnose", str(tmp_path / "bench"), cwd=cwd)
+    ls(venv, "import", "metrics", str(tmp_path / "bench" / "metrics_before.prom"), str(tmp_path / "bench" / "metrics.prom"),
+       "--out", str(tmp_path / "imported"), cwd=cwd)
+    ls(venv, "import", "vllm-bench", str(tmp_path / "vbench" / "vllm_result.json"), "--out", str(tmp_path / "vimp"),
+       cwd=cwd)
+    assert "4 requests (4 finished)" in ls(venv, "diagnose", str(tmp_path / "vimp"), cwd=cwd).stdout
 
     ls(venv, "dashboards", "build", "--out", str(tmp_path / "dash"), cwd=cwd)
     assert (tmp_path / "dash" / "layerscope-overview.json").is_file()
@@ -219,7 +229,7 @@ class _serving:
     """``layerscope serve --port 0`` in a subprocess; yields its URL once /health answers."""
 
     def __init__(self, bin_dir: Path, model: Path, cwd: Path):
-        self.cmd = [str(bin_dir / "layerscope"), "serve", "--model", str(model), "--port", "0"]
+        self.cmd = [str(bin_dir / "layerscope"), "serve", "--model", str(model), "--port", "0", "--bundle", "none"]
         self.env, self.cwd = _env(bin_dir), cwd
 
     def __enter__(self) -> str:
