@@ -144,6 +144,35 @@ def with_components(rows: list[dict[str, Any]], steps: pa.Table, spans: pa.Table
     return out
 
 
+def manifest(writer, faults: Any, summary: dict[str, Any], env: tuple[dict, dict] | None = None) -> dict[str, Any]:
+    """The manifest (``schema.MANIFEST_KEYS``, in order) of a bundle ``writer`` (a BundleWriter or the
+    rolling writer: run_id, command, config, resolved, workload, probes, start/end_ns, start_time);
+    ``env``: (versions, hardware) when the caller keeps them (read once)."""
+    from layerscope.probes.environment import hardware, versions
+
+    end = writer.end_ns if writer.end_ns is not None else time.monotonic_ns()
+    vers, hw = env if env is not None else (versions(), hardware())
+    m = {
+        "format": schema.BUNDLE_FORMAT,
+        "schema_version": schema.SCHEMA_VERSION,
+        "run_id": writer.run_id,
+        "command": writer.command,
+        "config": writer.config or {},
+        "resolved": writer.resolved[0] if len(writer.resolved) == 1 else writer.resolved,
+        "workload": writer.workload,
+        "faults": faults,
+        "versions": vers,
+        "hardware": hw,
+        "probes": writer.probes or "off",
+        "start_ns": writer.start_ns if writer.start_ns is not None else end,
+        "end_ns": end,
+        "start_time": writer.start_time,
+        "summary": summary,
+    }
+    assert tuple(m) == schema.MANIFEST_KEYS  # the writers and the contract move together
+    return m
+
+
 class BundleWriter:
     """Collects recorders, exports, parts and request fields; ``write()`` produces the bundle directory."""
 
@@ -301,25 +330,4 @@ class BundleWriter:
         return out
 
     def _manifest(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        from layerscope.probes.environment import hardware, versions
-
-        end = self.end_ns if self.end_ns is not None else time.monotonic_ns()
-        m = {
-            "format": schema.BUNDLE_FORMAT,
-            "schema_version": schema.SCHEMA_VERSION,
-            "run_id": self.run_id,
-            "command": self.command,
-            "config": self.config or {},
-            "resolved": self.resolved[0] if len(self.resolved) == 1 else self.resolved,
-            "workload": self.workload,
-            "faults": self.faults,
-            "versions": versions(),
-            "hardware": hardware(),
-            "probes": self.probes or "off",
-            "start_ns": self.start_ns if self.start_ns is not None else end,
-            "end_ns": end,
-            "start_time": self.start_time,
-            "summary": summarize(rows, self._num_steps),
-        }
-        assert tuple(m) == schema.MANIFEST_KEYS  # the writer and the contract move together
-        return m
+        return manifest(self, self.faults, summarize(rows, self._num_steps))

@@ -40,7 +40,7 @@ from layerscope.contract import is_finished, percentiles
 from layerscope.probes import schema
 from layerscope.probes.bundle import (
     MANIFEST, METRICS_FILE, PART_FORMAT, TRACES_DIR, BundleError, check_version, table_from_bytes,
-    with_components, write_table, write_text,
+    manifest, with_components, write_table, write_text,
 )
 from layerscope.probes.drain import DRAIN_FORMAT, drain_tables
 from layerscope.probes.requests import finalize_row
@@ -273,32 +273,15 @@ class RollingBundleWriter:
 
         if not hasattr(self, "_env"):
             self._env = (versions(), hardware())
-        end = self.end_ns if self.end_ns is not None else time.monotonic_ns()
         duration = (self._last_ns - self._first_ns) / 1e9 if self._first_ns and self._last_ns else 0.0
-        m = {
-            "format": schema.BUNDLE_FORMAT,
-            "schema_version": schema.SCHEMA_VERSION,
-            "run_id": self.run_id,
-            "command": self.command,
-            "config": self.config or {},
-            "resolved": self.resolved[0] if len(self.resolved) == 1 else self.resolved,
-            "workload": self.workload,
-            "faults": {},
-            "versions": self._env[0],
-            "hardware": self._env[1],
-            "probes": self.probes or "off",
-            "start_ns": self.start_ns if self.start_ns is not None else end,
-            "end_ns": end,
-            "start_time": self.start_time,
-            "summary": {
-                "requests": self._n, "requests_finished": self._n_finished,
-                "requests_failed": self._n - self._n_finished, "num_steps": sum(self._num_steps.values()),
-                "duration_s": duration, "output_tokens": self._out_tokens,
-                "output_tokens_per_s": self._out_tokens / duration if duration > 0 else None,
-                **{k: percentiles(list(v)) for k, v in self._lat.items()},
-            },
+        summary = {
+            "requests": self._n, "requests_finished": self._n_finished,
+            "requests_failed": self._n - self._n_finished, "num_steps": sum(self._num_steps.values()),
+            "duration_s": duration, "output_tokens": self._out_tokens,
+            "output_tokens_per_s": self._out_tokens / duration if duration > 0 else None,
+            **{k: percentiles(list(v)) for k, v in self._lat.items()},
         }
-        assert tuple(m) == schema.MANIFEST_KEYS  # the writer and the contract move together
+        m = manifest(self, {}, summary, self._env)
         m.update(parts=self.parts, complete=self.complete, first_part=self.first_part,
                  last_part_time=datetime.now(timezone.utc).isoformat() if self.parts else None)
         write_text(self.out / MANIFEST, json.dumps(m, indent=1, default=str))
