@@ -68,12 +68,28 @@ class EngineMetricsRecorder(Recorder):
             ("num_prefix_hits", "layerscope_prefix_cache_hits_total"),
             ("num_preemptions", "layerscope_num_preemptions_total"))]
 
+    def on_request_events(self, request, events) -> None:
+        # the step loop hands a disabled recorder nothing: this is the finishing request's whole log
+        self._events = events
+
     def on_request_finished(self, request) -> None:
         m = self.metrics
         m.child("layerscope_request_success_total", FINISH_REASON.get(request.status.value, "abort")).inc()
         m.child("layerscope_prompt_tokens_total").inc(request.num_prompt_tokens)
         if request.num_output_tokens:
             m.child("layerscope_generation_tokens_total").inc(request.num_output_tokens)
+        # the engine's intervals of the request, as vLLM always exposes them (queue, prefill, decode)
+        first: dict[str, int] = {}
+        for e in getattr(self, "_events", ()):
+            first.setdefault(e.type.value, e.ts_ns)
+        self._events = ()
+        sched, tok, fin = (first.get(k) for k in ("scheduled", "first_token", "finished"))
+        arrival = request.arrival_ns  # its event was handed over when the request was added
+        for name, a, b in (("layerscope_request_queue_time_seconds", arrival, sched),
+                           ("layerscope_request_prefill_time_seconds", sched, tok),
+                           ("layerscope_request_decode_time_seconds", tok, fin)):
+            if a is not None and b is not None and b >= a:
+                m.child(name).observe((b - a) * 1e-9)
 
     def metric_families(self, stats: Mapping[str, Any]) -> list:
         for key, child in self._gauges:
