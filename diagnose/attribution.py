@@ -512,6 +512,9 @@ class Causes:
                 return [Part("kernel.launch_gap", d, "a fixed cost per forward grew, not the cost per token "
                              "(launch gaps or per-op overhead)", ev)]
             if not math.isnan(r_tok) and r_tok >= 1.1:
+                if self._prefix_lost(s):  # the work grew because prompts are prefilled in full (longer contexts)
+                    return [Part("engine.kv", d, "prefix-cache hits dropped: prompts are prefilled in full, so each "
+                                 "forward computes more and longer prefills", self._prefix_evidence() + ev)]
                 return [self._compute_part(d, "forward time grew in proportion to the work", ev)]
         return [Part("model.forward", d, "model forward time grew across the model",
                      [f"forward per step {ms(ia['forward_s_mean'])} -> {ms(ib['forward_s_mean'])}"])]

@@ -229,7 +229,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
                f"a config change can move {top['layer']}")
         out: list[dict] = []
         for f in findings:
-            if standout is not None and f["layer"] in _MACHINE_LAYERS and f["layer"] != standout["phase"] and (
+            if standout is not None and f["layer"] in _MACHINE_LAYERS and f["layer"] not in _within(standout["phase"]) and (
                     f["metric"] in explained):  # the machine's share of the change, not the software's
                 hw = next((h for h in out if h["metric"] == f["metric"] and h["layer"] == "hardware"), None)
                 if hw is None:
@@ -244,7 +244,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
                 hw["evidence"] += [e for e in f["evidence"] if e.startswith("measured in")]
                 continue
             f["evidence"] += [note, f"a software change stands out beyond the machine's difference: {why}"]
-            if standout is not None and f["layer"] == standout["phase"]:
+            if standout is not None and f["layer"] in _within(standout["phase"]):
                 f["_score"] += 1e9  # the software change is the finding to name, whatever the machine's share
             out.append(f)
         return verdict, out
@@ -275,6 +275,12 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
 # layers a busier or slower machine moves (every step phase, and the queues they feed)
 _MACHINE_LAYERS = {"engine.schedule", "model.forward", "engine.output", "parallel.collective", "kernel.compute",
                    "kernel.launch_gap", "engine.queue", "hardware"}
+
+
+def _within(phase: str) -> set[str]:
+    """The layers whose time a step phase holds: the cause rules may name a finer layer (the kernels,
+    the launch gaps, the collectives of the forward) than the phase that stood out."""
+    return {phase, "kernel.compute", "kernel.launch_gap", "parallel.collective"} if phase == "model.forward" else {phase}
 
 
 def _standout_front(causes, findings: list[dict], worse: bool, factor: float) -> dict | None:
