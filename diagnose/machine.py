@@ -244,7 +244,8 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
                 hw["evidence"] += [e for e in f["evidence"] if e.startswith("measured in")]
                 continue
             f["evidence"] += [note, f"a software change stands out beyond the machine's difference: {why}"]
-            if standout is not None and f["layer"] in _within(standout["phase"]):
+            if standout is not None and f["layer"] in _within(standout["phase"]) and f["share"] > 0:
+                # (only a finding that explains the change: an offsetting one is never the one to name)
                 f["_score"] += 1e9  # the software change is the finding to name, whatever the machine's share
             out.append(f)
         return verdict, out
