@@ -85,7 +85,8 @@ def test_slowest_request_waterfall_names_its_layers(terminal):
     t.keys("r")
     t.wait_for("sorted by E2E")
     t.keys("Enter")  # the cursor starts on the slowest request
-    screen = t.wait_for("waterfall")
+    t.wait_for("waterfall")
+    screen = t.wait_for("request C")  # the title is drawn after the panes: wait for both
     lines = screen.splitlines()
     start = next(i for i, line in enumerate(lines) if "waterfall" in line)
     waterfall = lines[start + 1:start + 7]
