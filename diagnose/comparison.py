@@ -198,7 +198,9 @@ def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
     Below saturation an open-loop run's throughput is its offered load, so a change is
     only called when the served share of the offered token rate (arrival span / busy
     interval) moved by the minimum effect too: a different draw of the same workload
-    is not a throughput change of the system.
+    is not a throughput change of the system. When both runs were saturated (served share
+    under 1/2: a burst, or load beyond capacity) the throughput is called on the step bootstrap
+    alone.
     """
     def per_step(x: RunAnalysis):
         s, st = x.run.steps, x.steps
@@ -218,7 +220,10 @@ def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
                   b.indicators["output_tokens_per_s"], rule)
     sa, sb = served_share(a), served_share(b)
     r["served_share"] = [sa, sb]
-    if r["significant"] and not 100 * abs(sb / sa - 1) >= r["floor_pct"]:
+    # both runs saturated (busy for over twice their arrival span: a burst, or load beyond
+    # capacity): their throughput is the system's capacity, not an offered rate to follow
+    saturated = not max(sa, sb) >= 0.5
+    if r["significant"] and not saturated and not 100 * abs(sb / sa - 1) >= r["floor_pct"]:
         r["significant"] = r["worse"] = False
     return r
 
