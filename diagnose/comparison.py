@@ -80,7 +80,12 @@ def meets_slo(bd: pd.DataFrame, slo: dict[str, float]) -> np.ndarray:
 
 
 def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Path | RunAnalysis, *,
-            slo: dict[str, float] | None = None, rule: Rule = DEFAULT_RULE) -> Comparison:
+            slo: dict[str, float] | None = None, rule: Rule = DEFAULT_RULE,
+            attribute: tuple[str, ...] | frozenset[str] = ()) -> Comparison:
+    """Diagnose ``candidate`` against ``baseline`` (docs/diagnose.md). ``attribute``: metrics whose
+    findings (layers and causes) are worked out even where this one pair does not call the change
+    significant, because the caller established it otherwise (``regress`` pools repetitions and
+    diagnoses one representative pair); they are kept whatever this pair's verdict."""
     from layerscope.diagnose.external.run import is_external
 
     if any(isinstance(x, (str, Path)) and is_external(x) for x in (baseline, candidate)):
@@ -122,7 +127,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     for name, m, q, _ in LATENCY_METRICS:
         comp = quantile_components(a.ok, b.ok, m, q)
         attribution[name] = comp
-        if metrics[name]["significant"]:
+        if metrics[name]["significant"] or name in attribute:
             findings += _findings(name, comp, causes, metrics[name], f"{m.upper()} p{int(q * 100)}")
     tp_a, tp_b = throughput_components(a), throughput_components(b)
     comp = pd.DataFrame({"layer": list(tp_a), "baseline_s": list(tp_a.values()), "candidate_s": list(tp_b.values())})
@@ -131,9 +136,9 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     comp.loc[len(comp)] = ["residual", 0.0, 0.0, 0.0]
     comp["share"] = comp["delta_s"] / d if d else math.nan
     attribution[THROUGHPUT] = comp
-    if metrics[THROUGHPUT]["significant"]:
+    if metrics[THROUGHPUT]["significant"] or THROUGHPUT in attribute:
         findings += _findings(THROUGHPUT, comp, causes, metrics[THROUGHPUT], "time per output token")
-    if metrics[GOODPUT]["significant"]:
+    if metrics[GOODPUT]["significant"] or GOODPUT in attribute:
         findings += _goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
 
     verdict = _verdict(metrics, workload_changed)
@@ -163,7 +168,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         "candidate": b.name,
         "verdict": verdict,
         "metrics": {k: _clean(v) for k, v in metrics.items()},
-        "findings": findings if verdict != "no_change" else [],
+        "findings": findings if verdict != "no_change" else [f for f in findings if f["metric"] in attribute],
         "primary": primary,
         "config_diff": diff_records(cdiff),
         "workload_diff": [{k: _num(v) for k, v in r.items()} for r in wdiff.to_dict("records")],

@@ -61,7 +61,7 @@ def analyse(result: RegressResult) -> None:
                     cell["diagnoses"][v.label] = (
                         {"verdict": "n/a", "note": "an endpoint is measured client-side only: no layers to attribute"}
                         if base.is_endpoint or v.is_endpoint
-                        else _diagnose(runs[base.label], runs[v.label], regressed[0], result.slo))
+                        else _diagnose(runs[base.label], runs[v.label], regressed[0], result.slo, tuple(regressed)))
                     for m in regressed:
                         result.regressions.append(_regression(v, w.name, c, m, cell, result))
             result.cells.append(cell)
@@ -123,14 +123,17 @@ def representative(runs: list[PlannedRun], metric: str) -> PlannedRun:
     return vals[(len(vals) - 1) // 2]
 
 
-def _diagnose(base_runs: list[PlannedRun], cand_runs: list[PlannedRun], metric: str, slo: dict) -> dict:
+def _diagnose(base_runs: list[PlannedRun], cand_runs: list[PlannedRun], metric: str, slo: dict,
+              attribute: tuple[str, ...] = ()) -> dict:
     """diagnose's comparison of the representative repetitions: layers, causes, config changes."""
     from layerscope.diagnose.analysis import RunAnalysis
     from layerscope.diagnose.comparison import compare
 
     ra, rb = representative(base_runs, metric), representative(cand_runs, metric)
     server = lambda a: a if isinstance(a, RunAnalysis) else RunAnalysis(a.run)  # noqa: E731  (a ClientView)
-    comp = compare(server(ra.analysis), server(rb.analysis), slo=slo)
+    # regress called these metrics over the pooled repetitions: their layers and causes are worked
+    # out on this pair even where the pair alone would not call them
+    comp = compare(server(ra.analysis), server(rb.analysis), slo=slo, attribute=attribute or (metric,))
     d = dict(comp.diagnosis)
     d["baseline_bundle"], d["candidate_bundle"] = str(ra.bundle), str(rb.bundle)
     d["layer_by_metric"] = {}

@@ -251,7 +251,7 @@ def diagnose_layer(base_runs, cand_runs, metric: str, slo: dict) -> tuple[str | 
         return None, None, None
     ra, rb = representative(base_runs, metric), representative(cand_runs, metric)
     server = lambda a: a if isinstance(a, RunAnalysis) else RunAnalysis(a.run)  # noqa: E731  (a ClientView)
-    comp = compare(server(ra.analysis), server(rb.analysis), slo=slo)
+    comp = compare(server(ra.analysis), server(rb.analysis), slo=slo, attribute=(metric,))
     f = next((f for f in comp.diagnosis.get("findings", []) if f["metric"] == metric), None)
     if f is not None:
         return f["layer"], "diagnose (not gated)", f.get("cause")

@@ -70,3 +70,16 @@ def test_json_shape_is_designs(synth):
         assert set(f) == {"metric", "layer", "share", "delta_s", "cause", "evidence", "config_changes", "alternatives"}
         assert not (isinstance(f["share"], float) and math.isnan(f["share"]))
     assert d["primary"] == {"metric": d["findings"][0]["metric"], "layer": "gateway.queue"}
+
+
+def test_attribute_works_out_layers_of_a_change_the_pair_alone_does_not_call(synth):
+    """regress establishes a change over pooled repetitions and diagnoses one representative pair:
+    ``attribute`` gives that metric's layers and causes even where the pair is below its floor."""
+    base, cand = synth(seed=3, num_requests=40), synth(seed=3, noise_seed=4, num_requests=40, step_overhead_s=0.0004)
+    plain = compare(base, cand).diagnosis
+    assert not plain["metrics"]["tpot_p50_s"]["significant"], plain["metrics"]["tpot_p50_s"]
+    assert not [f for f in plain["findings"] if f["metric"] == "tpot_p50_s"]
+    forced = compare(base, cand, attribute=("tpot_p50_s",)).diagnosis
+    found = [f for f in forced["findings"] if f["metric"] == "tpot_p50_s"]
+    assert found and found[0]["layer"] == "engine.schedule", [(f["layer"], f["share"]) for f in found]
+    assert forced["verdict"] == plain["verdict"]  # the pair's own verdict is unchanged
