@@ -545,9 +545,17 @@ class Causes:
         if s * (ib["recomputed_token_frac"] - ia["recomputed_token_frac"]) >= 0.05:
             return Part("engine.kv", d, "preempted requests recompute their KV", self._kv_evidence() + ev)
         for key, layer in (("max_num_batched_tokens", "engine.queue"), ("enable_chunked_prefill", "engine.schedule"),
-                           ("max_num_seqs", "engine.queue")):
+                           ("max_num_seqs", "engine.queue"), ("num_kv_blocks", "engine.kv"),
+                           ("resolved.num_kv_blocks", "engine.kv"), ("block_size", "engine.kv"),
+                           ("kv_cache_memory_bytes", "engine.kv")):
             if key in self.keys:
-                return Part(layer, d, f"steps carry a different batch ({key} changed)", ev)
+                return Part(layer, d, f"steps carry a different batch ({key} changed)",
+                            (self._kv_evidence() if layer == "engine.kv" else []) + ev)
+        # the run with the smaller batches ran out of KV blocks: the pool shaped the batch
+        small, large = (ia, ib) if s > 0 else (ib, ia)
+        if small["kv_exhausted_frac"] - large["kv_exhausted_frac"] >= 0.05:
+            return Part("engine.kv", d, "more requests fit in the KV pool at once (larger batches, each step longer)",
+                        self._kv_evidence() + ev)
         if self.workload_changed:
             return Part("workload", d, "steps carry more tokens: the offered load changed", ev)
         if self.slowdown(s) >= 0.1:
