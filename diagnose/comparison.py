@@ -104,10 +104,13 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
 
     metrics: dict[str, dict] = {}
     pairs = _pairs(a.ok, b.ok)
+    # both runs saturated (a burst, or load beyond capacity): the larger run-to-run prior applies
+    saturated = max(_served_share(a), _served_share(b)) < 0.5
     for name, m, q, kind in LATENCY_METRICS:
+        run_se = rule.pair_run_se(name, kind, saturated)
         if pairs is not None:
             va, vb = a.ok[f"{m}_s"].to_numpy()[pairs[0]], b.ok[f"{m}_s"].to_numpy()[pairs[1]]
-            metrics[name] = compare_quantile(va, vb, q, kind, rule, paired=True, metric=name)
+            metrics[name] = compare_quantile(va, vb, q, kind, rule, paired=True, metric=name, run_se=run_se)
             metrics[name].update(baseline=float(np.nanquantile(a.ok[f"{m}_s"], q)) if a.ok[f"{m}_s"].notna().any()
                                  else math.nan,
                                  candidate=float(np.nanquantile(b.ok[f"{m}_s"], q)) if b.ok[f"{m}_s"].notna().any()
@@ -117,10 +120,10 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
                 m_["delta_pct"] = 100 * (m_["candidate"] / m_["baseline"] - 1)
         else:
             metrics[name] = compare_quantile(a.ok[f"{m}_s"].to_numpy(), b.ok[f"{m}_s"].to_numpy(), q, kind, rule,
-                                             metric=name)
-    metrics[THROUGHPUT] = _throughput(a, b, rule)
+                                             metric=name, run_se=run_se)
+    metrics[THROUGHPUT] = _throughput(a, b, rule, saturated)
     good_a, good_b = meets_slo(a.ok, the_slo), meets_slo(b.ok, the_slo)  # a.ok is in arrival order
-    metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule)
+    metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule, saturated)
 
     attribution: dict[str, pd.DataFrame] = {}
     findings: list[dict] = []
@@ -197,7 +200,13 @@ def _pairs(a: pd.DataFrame, b: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | 
     return None
 
 
-def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
+def _served_share(x: RunAnalysis) -> float:
+    """Arrival span / busy interval: about 1 below saturation, near 0 for a burst."""
+    t = x.ok["arrival_s"].to_numpy()
+    return float((t.max() - t.min()) / x.busy_s) if len(t) > 1 and x.busy_s > 0 else math.nan
+
+
+def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule, saturated: bool = False) -> dict:
     """Headline: output tokens / busy interval; the CI comes from a block bootstrap over steps.
 
     Below saturation an open-loop run's throughput is its offered load, so a change is
@@ -215,15 +224,12 @@ def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
         own = np.r_[np.diff(start), st["t_end_s"].to_numpy()[order][-1:] - start[-1:]] if len(start) else start
         return tokens[order], np.clip(own, 0, None)
 
-    def served_share(x: RunAnalysis) -> float:
-        t = x.ok["arrival_s"].to_numpy()
-        return float((t.max() - t.min()) / x.busy_s) if len(t) > 1 and x.busy_s > 0 else math.nan
-
     na, da = per_step(a)
     nb, db = per_step(b)
-    r = _headline(compare_rate(na, da, nb, db, rule, metric=THROUGHPUT), a.indicators["output_tokens_per_s"],
+    r = _headline(compare_rate(na, da, nb, db, rule, metric=THROUGHPUT,
+                               run_se=rule.pair_run_se(THROUGHPUT, "rate", saturated)), a.indicators["output_tokens_per_s"],
                   b.indicators["output_tokens_per_s"], rule)
-    sa, sb = served_share(a), served_share(b)
+    sa, sb = _served_share(a), _served_share(b)
     r["served_share"] = [sa, sb]
     # both runs saturated (busy for over twice their arrival span: a burst, or load beyond
     # capacity): their throughput is the system's capacity, not an offered rate to follow
@@ -233,11 +239,12 @@ def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule) -> dict:
     return r
 
 
-def _goodput(a: RunAnalysis, good_a: np.ndarray, b: RunAnalysis, good_b: np.ndarray, rule: Rule) -> dict:
+def _goodput(a: RunAnalysis, good_a: np.ndarray, b: RunAnalysis, good_b: np.ndarray, rule: Rule,
+             saturated: bool = False) -> dict:
     """Headline: requests meeting the SLOs / busy interval."""
     ha = good_a.sum() / a.busy_s if a.busy_s > 0 else math.nan
     hb = good_b.sum() / b.busy_s if b.busy_s > 0 else math.nan
-    return goodput_change(good_a, good_b, ha, hb, rule)
+    return goodput_change(good_a, good_b, ha, hb, rule, run_se=rule.pair_run_se(GOODPUT, "rate", saturated))
 
 
 def goodput_change(good_a: np.ndarray, good_b: np.ndarray, ha: float, hb: float, rule: Rule,

@@ -51,10 +51,22 @@ RUN_SPREAD = {
     "p50": 0.10, "p90": 0.15, "p99": 0.20, "rate": 0.03,
 }
 
+# Saturated runs (a burst, or load beyond capacity: busy for over twice the arrival span) spread
+# more from run to run: every request's latency hangs on one queueing pattern, and a burst's
+# busy interval is short. Measured on 10 + 10 runs of a 96-request burst on the tiny model on a
+# quiet 2-core machine (docs/diagnose.md §2.4: aa_check power, --rate 0): one A/A pair of them
+# came out a TPOT p50 "regression" (+23%) with the chat priors above.
+RUN_SPREAD_SATURATED = {
+    "ttft_p50_s": 0.10, "ttft_p99_s": 0.13, "tpot_p50_s": 0.175, "tpot_p99_s": 0.13, "e2e_p50_s": 0.115,
+    "output_tokens_per_s": 0.12, "goodput_requests_per_s": 0.12,
+    "p50": 0.15, "p90": 0.15, "p99": 0.15, "rate": 0.12,
+}
+
 
 @dataclass(frozen=True)
 class Rule:
     run_spread: dict[str, float] = field(default_factory=lambda: dict(RUN_SPREAD))
+    run_spread_saturated: dict[str, float] = field(default_factory=lambda: dict(RUN_SPREAD_SATURATED))
     min_tail_count: int = 3  # a q-quantile is only called with n * (1 - q) >= this (p99: 300 requests)
     alpha: float = 0.01
     power: float = 0.9  # the power the MDE is stated at
@@ -62,13 +74,17 @@ class Rule:
     num_boot: int = 400
     seed: int = 0
 
-    def spread(self, metric: str | None, kind: str) -> float:
-        """The prior run-to-run relative SD of ``metric`` (or of its kind)."""
-        return float(self.run_spread.get(metric or "", self.run_spread.get(kind, 0.1)))
+    def spread(self, metric: str | None, kind: str, saturated: bool = False) -> float:
+        """The prior run-to-run relative SD of ``metric`` (or of its kind); ``saturated``: of
+        runs that were saturated (RUN_SPREAD_SATURATED), never below the other prior."""
+        base = float(self.run_spread.get(metric or "", self.run_spread.get(kind, 0.1)))
+        if not saturated:
+            return base
+        return max(base, float(self.run_spread_saturated.get(metric or "", self.run_spread_saturated.get(kind, base))))
 
-    def pair_run_se(self, metric: str | None, kind: str) -> float:
+    def pair_run_se(self, metric: str | None, kind: str, saturated: bool = False) -> float:
         """Run-to-run SE of the relative change between ONE run of each version."""
-        return math.sqrt(2) * self.spread(metric, kind)
+        return math.sqrt(2) * self.spread(metric, kind, saturated)
 
 
 DEFAULT_RULE = Rule()
