@@ -179,6 +179,30 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered with the chat template
+    (``vllm bench serve`` calls it to align its prompts with the server's tokenizer)."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM: True for prompts, False for messages
+
+    def chat(self) -> ChatCompletionRequest | None:
+        if self.messages is None:
+            return None
+        return ChatCompletionRequest(model=self.model or "", messages=self.messages,
+                                     add_generation_prompt=self.add_generation_prompt)
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids -> text."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """JSON bytes -> request model; malformed JSON or a schema violation is APIError(400)."""
     try:

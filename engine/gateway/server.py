@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming with one
 chunk per output token, or one JSON body), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text: the gateway's metrics plus every replica's).
+``GET /metrics`` (Prometheus text: the gateway's metrics plus every replica's), and vLLM's
+``POST /tokenize`` / ``POST /detokenize`` (same bodies and answers as vLLM's server).
 
 Request path: parse and validate (400/404 before any queueing), tokenize, then
 ``Gateway.submit`` (admission may wait or refuse with 429), then stream the deltas.
@@ -34,7 +35,9 @@ from layerscope.engine.gateway.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseBuilder,
+    TokenizeRequest,
     parse_body,
     render_chat,
     usage_dict,
@@ -109,6 +112,38 @@ def create_app(gateway: Gateway, api_key: str | None = None,
                 "root": gateway.config.model, "max_model_len": gateway.max_model_len}
         return JSONResponse({"object": "list", "data": [card]})
 
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{gateway.model_name}`.",
+                           type="not_found_error", param="model", code="model_not_found")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        try:
+            check_key(request)
+            req = parse_body(await request.body(), TokenizeRequest)
+            check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise APIError(400, "send exactly one of `prompt` or `messages`", param="prompt")
+            chat = req.chat()
+            text = render_chat(gateway.tokenizer, chat) if chat is not None else req.prompt
+            ids = gateway.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse({"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            check_key(request)
+            req = parse_body(await request.body(), DetokenizeRequest)
+            check_model(req.model)
+            ids = gateway.tokenize(req.tokens)  # ids outside the vocabulary are a 400 naming it
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse({"prompt": gateway.tokenizer.decode(ids)})
+
     async def handle(request: Request, chat: bool) -> Response:
         rec = gateway.new_record("chat" if chat else "completions", False, request.headers.get("x-session-id"),
                                  traceparent=request.headers.get("traceparent"))
@@ -117,10 +152,7 @@ def create_app(gateway: Gateway, api_key: str | None = None,
             req = parse_body(await request.body(), ChatCompletionRequest if chat else CompletionRequest)
             rec.stream = req.stream
             rec.session_id = rec.session_id or req.user
-            if req.model not in names:
-                raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
-                                    f"`{gateway.model_name}`.", type="not_found_error", param="model",
-                               code="model_not_found")
+            check_model(req.model)
             if chat:
                 ids = gateway.tokenize(render_chat(gateway.tokenizer, req))
                 max_tokens = req.requested_max_tokens

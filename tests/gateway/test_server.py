@@ -145,6 +145,31 @@ def test_models_health_and_api_key(server, client, model_name):
 
 
 # ---- 2. bad input: the right status, a clear message, a healthy server ---------------------------
+def test_vllm_tokenize_and_detokenize_round_trip_with_the_models_tokenizer(server, model_name, tiny_model):
+    """vLLM's /tokenize and /detokenize (what `vllm bench serve` aligns its prompts with)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    post = lambda path, **kw: httpx.post(server + path, headers=AUTH, trust_env=False, timeout=30, **kw)  # noqa: E731
+    prompt = "the quick brown fox jumps over the lazy dog"
+    r = post("/tokenize", json={"model": model_name, "prompt": prompt, "add_special_tokens": False})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode(prompt, add_special_tokens=False)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] > body["count"]
+    r = post("/detokenize", json={"model": model_name, "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"] == tok.decode(body["tokens"])
+    chat = post("/tokenize", json={"model": model_name, "messages": [{"role": "user", "content": prompt}]}).json()
+    assert chat["count"] > body["count"]  # the chat template wraps the message
+    # bad input names what exists
+    r = post("/tokenize", json={"model": "nope", "prompt": prompt})
+    assert r.status_code == 404 and model_name in r.json()["error"]["message"]
+    r = post("/tokenize", json={"model": model_name})
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+    r = post("/detokenize", json={"model": model_name, "tokens": [10**9]})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
 def test_bad_input_gets_clear_errors_and_server_stays_healthy(server, model_name):
     post = lambda path, **kw: httpx.post(server + path, headers=AUTH, trust_env=False, timeout=30, **kw)  # noqa: E731
     cases = [
