@@ -177,7 +177,7 @@ def soak(model: str, out: Path, requests: int, warmup: int, concurrency: int, ma
         result["diagnose_error"] = (proc.stderr.strip().splitlines() or [""])[-1][:300]
     else:
         try:
-            result["diagnose_requests"] = json.loads(proc.stdout)["summary"]["requests"]
+            result["diagnose_requests"] = json.loads(proc.stdout)["requests"]  # single-run diagnose JSON
         except (ValueError, KeyError, TypeError):
             result["diagnose_requests"] = None
     return result
