@@ -8,9 +8,12 @@ Starts ``serve`` (tiny model unless --model; a part every --interval seconds), s
 processes (gateway + replicas) every 1,000 requests. Prints the RSS growth per 1,000
 requests after warm-up (the first --warmup requests; a least-squares slope), then stops
 the server (SIGTERM), checks that the bundle holds every request exactly once and is
-complete, and diagnoses it (``diagnose.load_run`` + ``diagnose``) when the reader takes a
-rolling bundle. Then a second, short server is killed with SIGKILL mid-run: its bundle
-must read up to its last complete part and say it was cut short (``complete`` false).
+complete, and diagnoses it (``layerscope diagnose --json``). Then a second, short server is
+killed with SIGKILL mid-run: its bundle must read up to its last complete part and say it was
+cut short (``complete`` false, ``Bundle.note``).
+
+``start_layerscope`` / ``start_server`` start a ``layerscope`` command as a process of its own
+(the tests of ``serve``'s and ``run``'s rolling bundles use them too).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Sequence
+
+from layerscope.probes.reader import read_bundle
 
 
 def _rss_mb(pid: int) -> float:
@@ -48,25 +54,38 @@ def _rss_mb(pid: int) -> float:
     return total / 1024
 
 
-def start_server(model: str, bundle: Path, interval: float, extra: list[str] = ()) -> tuple[subprocess.Popen, str, list]:
-    cmd = [sys.executable, "-m", "layerscope", "serve", "--model", model, "--port", "0", "--bundle", str(bundle),
-           "--bundle-interval", str(interval), *extra]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+def start_layerscope(args: list[str], ready: str, timeout_s: float = 300.0) -> tuple[subprocess.Popen, list[str]]:
+    """``python -m layerscope ARGS`` in a process group of its own (``os.killpg`` stops it with its
+    replicas), its output read into the returned list by a thread (the pipe never fills); returns once
+    a line holds ``ready`` (RuntimeError with its last lines if it exits or takes longer)."""
+    cmd = [sys.executable, "-m", "layerscope", *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []
-    ready = threading.Event()
+    seen = threading.Event()  # the ready line, or the end of the output
 
     def read():
         for line in proc.stdout:
             lines.append(line)
-            if "listening on" in line:
-                ready.set()
+            if ready in line:
+                seen.set()
+        seen.set()
 
     threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(300):
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise RuntimeError("serve did not start:\n" + "".join(lines[-30:]))
+    if not seen.wait(timeout_s) or not any(ready in line for line in lines):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        raise RuntimeError(f"{' '.join(cmd[2:4])} did not print {ready!r}:\n" + "".join(lines[-30:]))
+    return proc, lines
+
+
+def start_server(model: str, bundle: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str, list[str]]:
+    """``layerscope serve`` on a free port with its rolling bundle at ``bundle`` (``extra``: more
+    options); returns (process, URL, its output lines so far and to come)."""
+    proc, lines = start_layerscope(["serve", "--model", str(model), "--port", "0", "--bundle", str(bundle), *extra],
+                                   "listening on")
     return proc, next(line for line in lines if "listening on" in line).split()[-1], lines
 
 
@@ -102,17 +121,6 @@ def send(url: str, model: str, n: int, concurrency: int, max_tokens: int, on_don
     return counter["ok"]
 
 
-def _read_parts(bundle: Path, name: str):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from layerscope.probes.rolling import PART_NAME
-
-    m = json.loads((bundle / "manifest.json").read_text())
-    files = [bundle / f"{name}.parquet" / PART_NAME.format(k) for k in range(m["first_part"], m["parts"] + 1)]
-    return m, pa.concat_tables([pq.read_table(f) for f in files])
-
-
 def _slope(xs: list[float], ys: list[float]) -> float:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
@@ -122,7 +130,7 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 def soak(model: str, out: Path, requests: int, warmup: int, concurrency: int, max_tokens: int, interval: float) -> dict:
     bundle = out / "soak-bundle"
-    proc, url, lines = start_server(model, bundle, interval)
+    proc, url, lines = start_server(model, bundle, ["--bundle-interval", str(interval)])
     samples: list[tuple[int, float]] = [(0, _rss_mb(proc.pid))]
     parts_at: dict[int, int] = {}  # requests answered when the bundle first had k parts
     every = 1000 if requests >= 4000 else max(requests // 8, 50)
@@ -151,8 +159,8 @@ def soak(model: str, out: Path, requests: int, warmup: int, concurrency: int, ma
     warm = max(warmup, second if second is not None else samples[-1][0])
     after = [(n, r) for n, r in samples if n >= warm]
     growth = _slope([n / 1000 for n, _ in after], [r for _, r in after]) if len(after) >= 2 else float("nan")
-    m, req = _read_parts(bundle, "requests")
-    ids = req["request_id"].to_pylist()
+    b = read_bundle(bundle)
+    m, ids = b.manifest, b.table("requests", columns=["request_id"])["request_id"].to_pylist()
     result = {"requests": requests, "ok": ok, "seconds": round(elapsed, 1), "req_per_s": round(ok / elapsed, 1),
               "warmup_requests": warm, "rss_mb_first": samples[0][1], "rss_mb_warm": after[0][1] if after else None,
               "rss_mb_last": samples[-1][1], "rss_growth_mb_per_1000_after_warmup": round(growth, 3),
@@ -165,11 +173,11 @@ def soak(model: str, out: Path, requests: int, warmup: int, concurrency: int, ma
                           capture_output=True, text=True, timeout=600)
     result["diagnose_s"] = round(time.perf_counter() - t1, 2)
     result["diagnose_rc"] = proc.returncode
-    if proc.returncode != 0:  # the reader over parts is another change (issue 20 item 2)
+    if proc.returncode != 0:
         result["diagnose_error"] = (proc.stderr.strip().splitlines() or [""])[-1][:300]
     else:
         try:
-            result["diagnose_requests"] = json.loads(proc.stdout)["summary"]["requests"]
+            result["diagnose_requests"] = json.loads(proc.stdout)["requests"]  # single-run diagnose JSON
         except (ValueError, KeyError, TypeError):
             result["diagnose_requests"] = None
     return result
@@ -177,7 +185,7 @@ def soak(model: str, out: Path, requests: int, warmup: int, concurrency: int, ma
 
 def kill_mid_run(model: str, out: Path, requests: int, concurrency: int, max_tokens: int, interval: float) -> dict:
     bundle = out / "killed-bundle"
-    proc, url, _ = start_server(model, bundle, interval)
+    proc, url, _ = start_server(model, bundle, ["--bundle-interval", str(interval)])
     stop = threading.Event()
     sender = threading.Thread(target=send, args=(url, model, requests, concurrency, max_tokens, None, stop))
     sender.start()
@@ -186,17 +194,10 @@ def kill_mid_run(model: str, out: Path, requests: int, concurrency: int, max_tok
     proc.wait(30)
     stop.set()
     sender.join(120)
-    m, req = _read_parts(bundle, "requests")
-    result = {"parts": m["parts"], "complete": m["complete"], "requests_read": req.num_rows,
-              "manifest_requests": m["summary"]["requests"], "last_part_time": m["last_part_time"]}
-    try:
-        from layerscope.probes.reader import read_bundle
-
-        read_bundle(bundle)
-        result["reader"] = "read_bundle loaded it"
-    except Exception as e:  # noqa: BLE001 - the reader over parts is another change (issue 20 item 2)
-        result["reader"] = f"{type(e).__name__}: {str(e)[:200]}"
-    return result
+    b = read_bundle(bundle)
+    m = b.manifest
+    return {"parts": m["parts"], "complete": m["complete"], "requests_read": b.table("requests").num_rows,
+            "manifest_requests": m["summary"]["requests"], "last_part_time": m["last_part_time"], "note": b.note}
 
 
 def main(argv: list[str] | None = None) -> int:

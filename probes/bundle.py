@@ -48,12 +48,13 @@ from layerscope.probes.reader import (  # noqa: F401  (Bundle, read_bundle, read
     MANIFEST, METRICS_FILE, TRACES_DIR, Bundle, BundleError, check_version, frame, read_bundle, read_json,
     read_manifest, read_table,
 )
-from layerscope.probes.drain import make_drain, table_to_bytes  # noqa: F401  (make_drain: re-exported)
+from layerscope.probes.drain import (  # noqa: F401  (make_drain, PART_FORMAT: re-exported)
+    PART_FORMAT, make_drain, recorder_meta, table_to_bytes,
+)
 from layerscope.probes.requests import finalize_row
 from layerscope.probes.tables import summarize
 
 PART_FILE = "part.json"
-PART_FORMAT = "layerscope.bundle-part"
 
 # ---- low-level writes ----------------------------------------------------------------------
 def _replace_file(path: Path, write) -> None:
@@ -88,20 +89,10 @@ def table_from_bytes(data: bytes) -> pa.Table:
 def make_export(recorder) -> dict[str, Any]:
     """A recorder's output as plain data (bytes, str, numbers, dicts): what ``ProbeRecorder.export``
     returns, sent from a replica process to the gateway. Request rows are not finalized."""
-    return {
-        "format": PART_FORMAT,
-        "schema_version": schema.SCHEMA_VERSION,
-        "replica": str(recorder.replica),
-        "probes": recorder.level,
-        "config": recorder.config,
-        "resolved": recorder.resolved,
-        "start_ns": recorder.start_ns,
-        "end_ns": recorder.end_ns,
-        "num_steps": recorder.num_steps,
-        "tables": {name: table_to_bytes(t) for name, t in recorder.tables(finalize=False).items()},
-        "metrics": recorder.metrics_text(),
-        "traces": {f.name: f.read_bytes() for f in recorder.trace_files()},
-    }
+    return {**recorder_meta(recorder), "end_ns": recorder.end_ns,
+            "tables": {name: table_to_bytes(t) for name, t in recorder.tables(finalize=False).items()},
+            "metrics": recorder.metrics_text(),
+            "traces": {f.name: f.read_bytes() for f in recorder.trace_files()}}
 
 
 def write_part(source, part_dir: str | Path) -> Path:

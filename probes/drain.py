@@ -14,7 +14,8 @@ from layerscope.probes.requests import Phase, engine_row, gateway_phases
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
-DRAIN_FORMAT = "layerscope.recorder-drain"
+DRAIN_FORMAT = "layerscope.recorder-drain"  # a replica's raw drain (ProbeRecorder.drain)
+PART_FORMAT = "layerscope.bundle-part"  # tables as Arrow IPC bytes (an export; the gateway's drain)
 
 
 def build_request(rid: str, replica_col: int, info: dict[str, Any], events, steps, step_idx, sampled_idx,
@@ -64,12 +65,11 @@ def table_to_bytes(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def make_drain(recorder, tables: dict[str, pa.Table], write_from_step_id: int | None) -> dict[str, Any]:
-    """A recorder's ``drain()`` as plain data (what ``rolling.RollingBundleWriter.add`` takes): like an
-    export, with only the tables drained (absent: empty), and ``write_from_step_id``: the steps rows
-    from that step id on are new, the earlier ones context for the drained requests' breakdown."""
+def recorder_meta(recorder) -> dict[str, Any]:
+    """What every hand-over of a recorder's records says of the recorder (an export, a drain):
+    format, schema version, replica, probe level, config, resolved config, start, steps so far."""
     return {
-        "format": "layerscope.bundle-part",
+        "format": PART_FORMAT,
         "schema_version": schema.SCHEMA_VERSION,
         "replica": str(recorder.replica),
         "probes": recorder.level,
@@ -77,10 +77,15 @@ def make_drain(recorder, tables: dict[str, pa.Table], write_from_step_id: int | 
         "resolved": recorder.resolved,
         "start_ns": recorder.start_ns,
         "num_steps": recorder.num_steps,
-        "write_from_step_id": write_from_step_id,
-        "tables": {name: table_to_bytes(t) for name, t in tables.items()},
     }
 
+
+def make_drain(recorder, tables: dict[str, pa.Table], write_from_step_id: int | None) -> dict[str, Any]:
+    """A recorder's ``drain()`` as plain data (what ``rolling.RollingBundleWriter.add`` takes): like an
+    export, with only the tables drained (absent: empty), and ``write_from_step_id``: the steps rows
+    from that step id on are new, the earlier ones context for the drained requests' breakdown."""
+    return {**recorder_meta(recorder), "write_from_step_id": write_from_step_id,
+            "tables": {name: table_to_bytes(t) for name, t in tables.items()}}
 
 
 def fill(row: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

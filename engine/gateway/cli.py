@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from layerscope.engine.recorder import RecorderFactory
 
@@ -30,27 +32,33 @@ def use_otlp_endpoint(url: str | None) -> None:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = url
 
 
-def build_gateway(args: argparse.Namespace, record: bool, recorders: RecorderFactory | None = None,
-                  rolling: bool = False):
-    """EngineConfig + Faults from the command line, and a Gateway (not started yet): a bad ``--set`` or
-    ``--fault`` (or one this run cannot have) is an error here, before anything starts.
+def build_gateway(model: str | Path, *, config: Mapping[str, Any] | None = None, faults: Sequence[str] | None = (),
+                  replicas: int = 1, tp: int = 0, recorders: RecorderFactory | None = None,
+                  served_model_name: str | None = None, record: bool = True, rolling: bool = False,
+                  otlp_endpoint: str | None = None):
+    """EngineConfig + Faults + a Gateway (not started yet), for ``serve`` and ``run``
+    (``layerscope.api.run``): a bad config key or fault (or one this run cannot have) is an error
+    here, before anything starts.
 
-    ``recorders``: the run's probes (``layerscope.probes.serving.recorders(args.probes)``); None: off.
+    ``config``: engine/gateway keys (``--set``, parsed: ``engine.config.parse_set_args``);
+    ``faults``: ``--fault`` items (``KEY=VALUE``); ``recorders``: the run's probes
+    (``layerscope.probes.serving.recorders(level)``; None: off); ``record`` / ``rolling``: what
+    the Gateway keeps of each request (``Gateway.__init__``); ``otlp_endpoint``: ``use_otlp_endpoint``.
     """
-    from layerscope.engine.config import EngineConfig, parse_set_args
+    from layerscope.engine.config import EngineConfig
     from layerscope.engine.faults import Faults
     from layerscope.engine.gateway.gateway import Gateway
 
-    use_otlp_endpoint(getattr(args, "otlp_endpoint", None))
-    overrides = parse_set_args(args.set)
-    overrides["model"] = args.model
-    if args.tp:
-        overrides["tp_size"] = args.tp
-    config = EngineConfig.from_overrides(**overrides)
-    faults = Faults.parse(args.fault)
-    return Gateway(config, faults, num_replicas=args.replicas, recorders=recorders,
-                   served_model_name=getattr(args, "served_model_name", None), record=record,
-                   rolling=rolling)
+    overrides = dict(config or {})
+    if "model" in overrides:
+        raise ValueError("config: the model is the model= argument (--model), not a config key")
+    overrides["model"] = str(model)
+    if tp:
+        overrides["tp_size"] = tp
+    engine_config = EngineConfig.from_overrides(**overrides)
+    use_otlp_endpoint(otlp_endpoint)
+    return Gateway(engine_config, Faults.parse(list(faults or ())), num_replicas=replicas, recorders=recorders,
+                   served_model_name=served_model_name, record=record, rolling=rolling)
 
 
 def warmup_line(gateway, prog: str = "serve") -> str:

@@ -335,16 +335,22 @@ def server_in_process(switch_interval_s: float = 0.0005):
 
 def run_load(endpoint: str, spec: WorkloadSpec, requests: Sequence[RequestSpec] | None = None,
              model: str | None = None, api_key: str | None = None, progress: bool = False,
-             timeout_s: float = 300.0, tokenizer=None) -> LoadResult:
-    """Run a workload against ``endpoint`` (blocking); shows a rich progress bar if asked."""
+             timeout_s: float = 300.0, tokenizer=None,
+             on_done: Callable[[ClientRecord], None] | None = None) -> LoadResult:
+    """Run a workload against ``endpoint`` (blocking); shows a rich progress bar if asked.
+    ``on_done(record)``: called (on the load generator's thread) as each request ends."""
     reqs = list(requests) if requests is not None else spec.build(tokenizer)
     if not progress:
-        return asyncio.run(LoadGenerator(endpoint, spec, reqs, model, api_key, timeout_s).run())
+        return asyncio.run(LoadGenerator(endpoint, spec, reqs, model, api_key, timeout_s, on_done).run())
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), transient=True) as bar:
         task = bar.add_task(f"{spec.name} -> {endpoint}", total=len(reqs))
-        gen = LoadGenerator(endpoint, spec, reqs, model, api_key, timeout_s,
-                            on_done=lambda rec: bar.advance(task))
+        def done(rec: ClientRecord) -> None:
+            bar.advance(task)
+            if on_done is not None:
+                on_done(rec)
+
+        gen = LoadGenerator(endpoint, spec, reqs, model, api_key, timeout_s, on_done=done)
         return asyncio.run(gen.run())

@@ -4,7 +4,9 @@
   (gateway + HTTP server on a free loopback port on a thread, replicas as processes),
   drive it with the load generator, stop it, and write ONE bundle joining the replicas'
   recorder exports, the gateway's recorder and records, and the client's records, on
-  request_id.
+  request_id. With a rolling option (``bundle_interval_s``, ``bundle_max_requests``,
+  ``retention``: ``serve``'s ``--bundle-interval`` etc.) the bundle is written as the run goes,
+  in parts, by ``serve``'s writer (``probes/rolling.py``), and what is written leaves memory.
 - ``bench(endpoint=..., workload=..., out=...)``: drive any OpenAI-compatible server and
   write a bundle of what the client saw (requests.parquet client_* columns), with the
   server's /metrics scraped before (``metrics_before.prom``) and after (``metrics.prom``)
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from layerscope.contract import STATUS_OF_FINISH_REASON, STATUS_STOPPED
+from layerscope.engine.gateway.cli import PROBE_LEVELS
 
 PROFILES = {
     # profile -> ProbeRecorder knobs (the probe level becomes "full")
@@ -29,7 +32,6 @@ PROFILES = {
     "pyspy": {"profile_max_windows": 0},
     "all": {},
 }
-PROBE_LEVELS = ("off", "default", "full")
 
 
 def load_workload(workload: Any, params: Mapping[str, Any] | None = None):
@@ -80,45 +82,41 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
 
 
-# ---- the bundle -----------------------------------------------------------------------------------
-def _bundle_writer_class():
-    from layerscope.probes.bundle import BundleWriter
+# ---- the bundle ----------------------------------------------------------------------------------
+def _run_writer(base: type) -> type:
+    """``base`` (``BundleWriter``, or ``RollingBundleWriter`` for a rolling run) plus the client's
+    view in the manifest: ``client_summary`` (``summary.client``) and ``machine`` (set them before
+    the bundle's last write)."""
 
-    class RunBundleWriter(BundleWriter):
-        """BundleWriter plus the client's view: its summary in the manifest and a scraped
-        /metrics exposition where no recorder supplies one (bench)."""
+    class RunWriter(base):
+        client_summary: dict[str, Any] | None = None
+        machine: dict[str, Any] | None = None
 
-        def __init__(self, *a, client_summary: dict[str, Any] | None = None, metrics_text: str | None = None,
-                     machine: dict[str, Any] | None = None, **kw):
-            super().__init__(*a, **kw)
-            self.client_summary = client_summary
-            self.machine = machine
-            if metrics_text:
-                self.add_metrics_text(metrics_text)
-
-        def _manifest(self, rows):
-            m = super()._manifest(rows)
+        def _manifest(self, *a):
+            m = super()._manifest(*a)
             if self.client_summary is not None:
                 m["summary"]["client"] = self.client_summary
             if self.machine is not None:
                 m["machine"] = self.machine  # optional key (probes/machine.py)
             return m
 
-    return RunBundleWriter
+    return RunWriter
+
+
+def client_row(rec) -> dict[str, Any]:
+    """requests.parquet fields of one client record (joined on the server's request id)."""
+    row = rec.to_row()
+    row["request_id"] = rec.request_id or f"client-{rec.index}"
+    if rec.status == "ok":
+        row["status"] = STATUS_OF_FINISH_REASON.get(rec.finish_reason or "", STATUS_STOPPED)
+    else:
+        row["status"] = rec.status  # rejected | error
+    return row
 
 
 def client_rows(result) -> list[dict[str, Any]]:
     """requests.parquet fields of the client records (joined on the server's request id)."""
-    rows = []
-    for rec in result.records:
-        row = rec.to_row()
-        row["request_id"] = rec.request_id or f"client-{rec.index}"
-        if rec.status == "ok":
-            row["status"] = STATUS_OF_FINISH_REASON.get(rec.finish_reason or "", STATUS_STOPPED)
-        else:
-            row["status"] = rec.status  # rejected | error
-        rows.append(row)
-    return rows
+    return [client_row(rec) for rec in result.records]
 
 
 def _scrape(endpoint: str, api_key: str | None) -> str | None:
@@ -177,9 +175,13 @@ def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Map
                        [("--param", [f"{k}={_value(v)}" for k, v in (workload_params or {}).items()])],
                        [("--served-model", served_model), ("--api-key", "***" if api_key else None),
                         ("--tokenizer", tokenizer), ("--overwrite", overwrite)])
-    writer = _bundle_writer_class()(
-        out, command=command, config={}, workload=spec.to_dict(), faults={}, probes="off", overwrite=overwrite,
-        client_summary=summary, metrics_text=after)
+    from layerscope.probes.bundle import BundleWriter
+
+    writer = _run_writer(BundleWriter)(out, command=command, config={}, workload=spec.to_dict(), faults={},
+                                       probes="off", overwrite=overwrite)
+    writer.client_summary = summary
+    if after:
+        writer.add_metrics_text(after)
     writer.start_ns, writer.end_ns = result.start_ns, result.end_ns
     writer.add_request_fields(client_rows(result))
     path = writer.write()
@@ -192,29 +194,12 @@ def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Map
 
 
 # ---- run ------------------------------------------------------------------------------------------
-def _gateway(model: str | Path, config: Mapping[str, Any] | None, faults: list[str], probes: str, replicas: int,
-             tp: int, recorder_kwargs: dict | None):
-    """EngineConfig + Faults + a recording Gateway (not started yet)."""
-    from layerscope.engine.config import EngineConfig
-    from layerscope.engine.faults import Faults
-    from layerscope.engine.gateway.gateway import Gateway
-    from layerscope.probes.serving import recorders
-
-    overrides = dict(config or {})
-    if "model" in overrides:
-        raise ValueError("config: the model is the model= argument, not a config key")
-    overrides["model"] = str(model)
-    if tp:
-        overrides["tp_size"] = tp
-    return Gateway(EngineConfig.from_overrides(**overrides), Faults.parse(faults), num_replicas=replicas,
-                   recorders=recorders(probes, **(recorder_kwargs or {})), record=True)
-
-
 def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[str, Any] | None = None,
         faults: Mapping[str, Any] | Sequence[str] | None = None, probes: str = "default", replicas: int = 1,
         tp: int = 0, workload_params: Mapping[str, Any] | None = None, profile: str | None = None,
         overwrite: bool = False, timeout_s: float = 300.0, startup_timeout_s: float = 300.0,
-        progress: bool = False, otlp_endpoint: str | None = None) -> Path:
+        progress: bool = False, otlp_endpoint: str | None = None, bundle_interval_s: float | None = None,
+        bundle_max_requests: int | None = None, retention: str | None = None) -> Path:
     """Serve ``model`` (a checkpoint directory), drive it with ``workload`` (a built-in name, a
     .toml/.json file or a WorkloadSpec; ``workload_params`` override its fields), stop, and
     write one bundle to ``out``; returns its path.
@@ -224,52 +209,96 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
     ``probes``: off | default | full; ``profile``: kernels | pyspy | all (implies full);
     ``timeout_s``: per request; ``startup_timeout_s``: for the replicas to load;
     ``otlp_endpoint``: also export traces to this OTLP/HTTP collector (needs layerscope[otlp]).
+
+    Rolling (any of these given; ``serve``'s options): the bundle is written as the run goes, a
+    part every ``bundle_interval_s`` seconds (default 10) or once ``bundle_max_requests`` requests
+    were answered (default 5000; 0: by time only), keeping only the parts within ``retention``
+    ("6h", "2GB"; default: all); what is written leaves the recorders' memory, and a run cut short
+    leaves a bundle that loads up to its last part. Needs probes (not "off").
     """
-    from layerscope.engine.gateway.server import serving
-    from layerscope.probes.machine import MachineSampler
-    from layerscope.regressions.load.loadgen import run_load, server_in_process
+    from layerscope.probes.rolling import RollingOptions
 
     if probes not in PROBE_LEVELS:
         raise ValueError(f"probes must be one of {', '.join(PROBE_LEVELS)}, got {probes!r}")
     if profile is not None and profile not in PROFILES:
         raise ValueError(f"profile must be one of {', '.join(sorted(PROFILES))}, got {profile!r}")
+    recorder_kwargs = None
+    if profile:
+        probes, recorder_kwargs = "full", PROFILES[profile]
+    rolling = RollingOptions.given(bundle_interval_s, bundle_max_requests, retention)
+    if rolling is not None and probes == "off":
+        raise ValueError("a rolling bundle (--bundle-interval, --bundle-max-requests, --retention) is what the "
+                         "probes record, written as it goes: with --probes off there is none; use --probes default "
+                         "or drop those options (one bundle at the end)")
     spec = load_workload(workload, workload_params)
     out = Path(out)
     _check_out(out, overwrite)
     fault_items = _fault_items(faults)
-    recorder_kwargs = None
-    if profile:
-        probes, recorder_kwargs = "full", PROFILES[profile]
-    from layerscope.engine.gateway.cli import use_otlp_endpoint
+    from layerscope.engine.gateway.cli import build_gateway
+    from layerscope.probes.serving import recorders
 
-    use_otlp_endpoint(otlp_endpoint)
-    gateway = _gateway(model, config, fault_items, probes, replicas, tp, recorder_kwargs)
-    with serving(gateway, startup_timeout_s) as url:
-        from layerscope.engine.gateway.cli import warmup_line
-
-        print(warmup_line(gateway, "run"), file=sys.stderr, flush=True)
-        requests = spec.build(gateway.tokenizer)
-        machine = MachineSampler()  # what the rest of the machine does meanwhile (issue 16)
-        machine.yardstick("before")
-        with server_in_process():
-            machine.start()
-            result = run_load(url, spec, requests, progress=progress, timeout_s=timeout_s)
-            machine.stop().yardstick("after")
-        gateway.wait_idle()
-        exports = gateway.collect_replica_records()
-        if gateway.recording:
-            gateway.recorder.stop()
+    gateway = build_gateway(model, config=config, faults=fault_items, replicas=replicas, tp=tp,
+                            recorders=recorders(probes, **(recorder_kwargs or {})), record=rolling is None,
+                            rolling=rolling is not None, otlp_endpoint=otlp_endpoint)
     command = _command("run", [("--model", model), ("--workload", workload if isinstance(workload, (str, Path))
                                                      else spec.name), ("--out", out)],
                        [("--set", [f"{k}={_value(v)}" for k, v in (config or {}).items()]),
                         ("--fault", fault_items),
                         ("--param", [f"{k}={_value(v)}" for k, v in (workload_params or {}).items()])],
                        [("--probes", probes), ("--replicas", replicas if replicas != 1 else None),
-                        ("--tp", tp or None), ("--profile", profile), ("--overwrite", overwrite)])
-    writer = _bundle_writer_class()(
-        out, command=command, config=gateway.config, resolved=gateway.resolved[0], workload=spec.to_dict(),
-        faults=gateway.faults, probes=probes, overwrite=overwrite, client_summary=result.summary(),
-        machine=machine.manifest_section())
+                        ("--tp", tp or None), ("--profile", profile), ("--overwrite", overwrite),
+                        *[(flag, None if v is None else str(v)) for flag, v in (
+                            ("--bundle-interval", bundle_interval_s), ("--bundle-max-requests", bundle_max_requests),
+                            ("--retention", retention))]])
+    meta = dict(command=command, config=gateway.config, workload=spec.to_dict(), faults=gateway.faults,
+                probes=probes, overwrite=overwrite)
+    if rolling is None:
+        return _run_then_write(gateway, spec, out, meta, timeout_s, startup_timeout_s, progress)
+    return _run_rolling(gateway, spec, out, meta, rolling, timeout_s, startup_timeout_s, progress)
+
+
+def _drive(gateway, spec, url: str, timeout_s: float, progress: bool, on_done=None):
+    """Drive the started ``gateway`` at ``url`` with ``spec``; returns (the load result, the machine
+    sampler), once the gateway is idle."""
+    from layerscope.engine.gateway.cli import warmup_line
+    from layerscope.probes.machine import MachineSampler
+    from layerscope.regressions.load.loadgen import run_load, server_in_process
+
+    print(warmup_line(gateway, "run"), file=sys.stderr, flush=True)
+    requests = spec.build(gateway.tokenizer)
+    machine = MachineSampler()  # what the rest of the machine does meanwhile (issue 16)
+    machine.yardstick("before")
+    with server_in_process():
+        machine.start()
+        result = run_load(url, spec, requests, progress=progress, timeout_s=timeout_s, on_done=on_done)
+        machine.stop().yardstick("after")
+    gateway.wait_idle()
+    return result, machine
+
+
+def _finish(gateway, path: Path, machine) -> Path:
+    from layerscope.probes.bundle import write_table
+    from layerscope.probes.machine import MACHINE_FILE
+
+    write_table(path / MACHINE_FILE, machine.table())  # the sampler's table, beside the bundle's
+    if gateway.recording:
+        gateway.recorder.shutdown()
+    return path
+
+
+def _run_then_write(gateway, spec, out: Path, meta: dict, timeout_s: float, startup_timeout_s: float,
+                    progress: bool) -> Path:
+    """The run, then its one bundle: every recorder's export and record joined at the end."""
+    from layerscope.engine.gateway.server import serving
+    from layerscope.probes.bundle import BundleWriter
+
+    with serving(gateway, startup_timeout_s) as url:
+        result, machine = _drive(gateway, spec, url, timeout_s, progress)
+        exports = gateway.collect_replica_records()
+        if gateway.recording:
+            gateway.recorder.stop()
+    writer = _run_writer(BundleWriter)(out, resolved=gateway.resolved[0], **meta)
+    writer.client_summary, writer.machine = result.summary(), machine.manifest_section()
     writer.start_ns, writer.end_ns = result.start_ns, result.end_ns
     for exp in exports:
         if exp is not None:
@@ -278,14 +307,28 @@ def run(*, model: str | Path, workload: Any, out: str | Path, config: Mapping[st
         writer.add_recorder(gateway.recorder)
     writer.add_request_fields(r.to_row() for r in gateway.records)
     writer.add_request_fields(client_rows(result))
-    path = writer.write()
-    from layerscope.probes.bundle import write_table
-    from layerscope.probes.machine import MACHINE_FILE
+    return _finish(gateway, writer.write(), machine)
 
-    write_table(path / MACHINE_FILE, machine.table())  # the sampler's table, beside the bundle's
-    if gateway.recording:
-        gateway.recorder.shutdown()
-    return path
+
+def _run_rolling(gateway, spec, out: Path, meta: dict, rolling, timeout_s: float, startup_timeout_s: float,
+                 progress: bool) -> Path:
+    """The run, its bundle written as it goes (``serve``'s ``RollingBundle``), the client's rows too."""
+    from layerscope.engine.gateway.server import serving
+    from layerscope.probes.rolling import RollingBundle, RollingBundleWriter
+
+    writer = _run_writer(RollingBundleWriter)(out, expect_client=True, **meta, **rolling.writer_kwargs())
+    with serving(gateway, startup_timeout_s) as url:
+        bundle = RollingBundle(gateway, writer, rolling).start()
+        print(f"layerscope run: {bundle.describe()}", file=sys.stderr, flush=True)
+        try:
+            result, machine = _drive(gateway, spec, url, timeout_s, progress,
+                                     on_done=lambda rec: bundle.add_client_rows([client_row(rec)]))
+            writer.client_summary, writer.machine = result.summary(), machine.manifest_section()
+        finally:  # a failed run still closes what it wrote
+            path = bundle.close()
+        if gateway.recording:
+            gateway.recorder.stop()
+    return _finish(gateway, path, machine)
 
 
 def create_model(out_dir: str | Path, arch: str = "llama", preset: str = "tiny", seed: int = 0,

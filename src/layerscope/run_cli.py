@@ -110,7 +110,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                faults=args.fault, probes=args.probes, replicas=args.replicas, tp=args.tp,
                workload_params=workload_params(args), profile=args.profile, overwrite=args.overwrite,
                timeout_s=args.timeout, startup_timeout_s=args.startup_timeout, progress=_progress(args),
-               otlp_endpoint=args.otlp_endpoint)
+               otlp_endpoint=args.otlp_endpoint, bundle_interval_s=args.bundle_interval,
+               bundle_max_requests=args.bundle_max_requests, retention=args.retention)
     print_summary(path, args.model)
     return 0
 
@@ -118,6 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     from layerscope.api import PROFILES
     from layerscope.engine.gateway.cli import add_engine_args
+    from layerscope.serve import add_rolling_args
 
     p = subparsers.add_parser("bench", help="drive any OpenAI-compatible server with a workload; write a bundle")
     p.add_argument("--endpoint", default=None, help="the server's URL (http://127.0.0.1:8000), or, as vLLM's, the "
@@ -141,6 +143,7 @@ def add_parser(subparsers) -> None:
 
     p = subparsers.add_parser("run", help="serve a model, drive it with a workload, write one run bundle")
     add_engine_args(p)
+    add_rolling_args(p, by_default=False)
     p.add_argument("--profile", choices=sorted(PROFILES), default=None,
                    help="profiler windows (kernels), py-spy (pyspy) or both; implies --probes full")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for the replicas to load")

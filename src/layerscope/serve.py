@@ -15,28 +15,26 @@ from datetime import datetime
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from layerscope.engine.config import parse_set_args
     from layerscope.engine.gateway.cli import build_gateway, warmup_line
     from layerscope.engine.gateway.server import serve
     from layerscope.probes.serving import recorders
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    rolling = args.probes != "off" and args.bundle != "none"
-    if rolling:  # checked before anything is built
-        from layerscope.probes.rolling import RollingBundleWriter, parse_retention
-
-        retention_s, retention_bytes = parse_retention(args.retention)
-        if args.bundle_interval <= 0:
-            raise ValueError(f"--bundle-interval must be > 0 seconds, got {args.bundle_interval}")
-        if args.bundle_max_requests < 0:
-            raise ValueError(f"--bundle-max-requests must be >= 0, got {args.bundle_max_requests}")
-    gateway = build_gateway(args, record=False, recorders=recorders(args.probes), rolling=rolling)
+    # checked before anything is built; probes off: nothing to write
+    rolling = rolling_options(args) if args.probes != "off" and args.bundle != "none" else None
+    gateway = build_gateway(args.model, config=parse_set_args(args.set), faults=args.fault, replicas=args.replicas,
+                            tp=args.tp, recorders=recorders(args.probes), served_model_name=args.served_model_name,
+                            record=False, rolling=rolling is not None, otlp_endpoint=args.otlp_endpoint)
     writer = None
-    if rolling:  # after the config was checked: a refused command line leaves no bundle behind
+    if rolling is not None:  # after the config was checked: a refused command line leaves no bundle behind
+        from layerscope.probes.rolling import RollingBundleWriter
+
         out = args.bundle or os.path.join(
             "runs", f"serve-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")
-        writer = RollingBundleWriter(out, probes=args.probes, retention_s=retention_s,
-                                     retention_bytes=retention_bytes)
+        writer = RollingBundleWriter(out, config=gateway.config, faults=gateway.faults, probes=args.probes,
+                                     **rolling.writer_kwargs())
     bundle = None
     try:
         print(f"layerscope serve: starting {args.replicas} replica(s) of {args.model} ...", file=sys.stderr, flush=True)
@@ -45,10 +43,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if writer is not None:
             from layerscope.probes.rolling import RollingBundle
 
-            bundle = RollingBundle(gateway, writer, args.bundle_interval, args.bundle_max_requests).start()
-            print(f"layerscope serve: rolling bundle {writer.out} (a part every {args.bundle_interval:g} s "
-                  f"or {args.bundle_max_requests} requests)",
-                  file=sys.stderr, flush=True)
+            bundle = RollingBundle(gateway, writer, rolling).start()
+            print(f"layerscope serve: {bundle.describe()}", file=sys.stderr, flush=True)
         serve(gateway, args.host, args.port, args.api_key, announce=lambda line: print(line, flush=True),
               metrics_extra=_vllm_dialect if args.metrics_dialect == "vllm" else None)
     finally:
@@ -58,6 +54,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             gateway.shutdown()
     return 0
+
+
+def add_rolling_args(p: argparse.ArgumentParser, *, by_default: bool) -> None:
+    """``--bundle-interval``, ``--bundle-max-requests``, ``--retention`` (``probes.rolling.RollingOptions``):
+    ``serve`` always writes its bundle as it goes (``by_default``); ``run`` does once any of them is given."""
+    from layerscope.probes.rolling import DEFAULT_INTERVAL_S, DEFAULT_MAX_REQUESTS
+
+    g = p.add_argument_group("rolling bundle" + ("" if by_default else
+                                                 " (any of these: the bundle is written as the run goes, in parts)"))
+    g.add_argument("--bundle-interval", type=float, default=DEFAULT_INTERVAL_S if by_default else None,
+                   metavar="SECONDS", help=f"write a part of the bundle every SECONDS (default {DEFAULT_INTERVAL_S:g}; "
+                                           "a crash loses at most the last interval)")
+    g.add_argument("--bundle-max-requests", type=int, default=DEFAULT_MAX_REQUESTS if by_default else None,
+                   metavar="N", help="write a part sooner once N requests were answered since the last one "
+                                     f"(default {DEFAULT_MAX_REQUESTS}; 0: by time only)")
+    g.add_argument("--retention", default=None, metavar="AGE|SIZE",
+                   help="keep only the last parts of the bundle: 6h, 30m, 2d or 2GB, 500MB (default: all)")
+
+
+def rolling_options(args: argparse.Namespace):
+    """The checked ``RollingOptions`` of a command line (None: ``run`` without any of them)."""
+    from layerscope.probes.rolling import RollingOptions
+
+    return RollingOptions.given(args.bundle_interval, args.bundle_max_requests, args.retention)
 
 
 def _vllm_dialect(gateway, text: bytes) -> bytes:
@@ -83,10 +103,5 @@ def add_parser(subparsers) -> None:
                    help="also expose /metrics under vLLM v1 names and labels (docs/external.md)")
     p.add_argument("--bundle", default=None, metavar="DIR",
                    help="rolling run bundle written as the server runs (default: runs/serve-<time>; 'none': no bundle)")
-    p.add_argument("--bundle-interval", type=float, default=10.0, metavar="SECONDS",
-                   help="write a part of the bundle every SECONDS (a crash loses at most the last interval)")
-    p.add_argument("--bundle-max-requests", type=int, default=5000, metavar="N",
-                   help="write a part sooner once N requests were answered since the last one (0: by time only)")
-    p.add_argument("--retention", default=None, metavar="AGE|SIZE",
-                   help="keep only the last parts of the bundle: 6h, 30m, 2d or 2GB, 500MB (default: all)")
+    add_rolling_args(p, by_default=True)
     p.set_defaults(func=cmd_serve)

@@ -3,7 +3,6 @@ acts through its wrapper."""
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -11,10 +10,6 @@ import pytest
 
 from layerscope.engine.config import ConfigError, EngineConfig, config_keys, parse_set_args
 from layerscope.engine.faults import FAULTS, FaultError, Faults, model_rows
-
-
-def _gateway_args(model: str, *, faults=(), sets=(), replicas: int = 1, tp: int = 0) -> argparse.Namespace:
-    return argparse.Namespace(model=model, fault=list(faults), set=list(sets), replicas=replicas, tp=tp)
 
 
 # ---- parsing ----------------------------------------------------------------------------------
@@ -90,7 +85,7 @@ def test_gateway_refuses_before_starting_a_replica(tiny_model, kw, match):
 
     t0 = time.monotonic()
     with pytest.raises(FaultError, match=match):
-        build_gateway(_gateway_args(str(tiny_model), **kw), record=True)
+        build_gateway(str(tiny_model), **kw)
     assert time.monotonic() - t0 < 30  # no replica process was started
 
 
@@ -100,7 +95,7 @@ def test_model_that_is_not_a_directory(tmp_path):
     from layerscope.engine.models.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="nope: no such directory .*not a hub id"):
-        build_gateway(_gateway_args(str(tmp_path / "nope")), record=True)
+        build_gateway(str(tmp_path / "nope"))
 
 
 # ---- --set ------------------------------------------------------------------------------------
@@ -163,14 +158,15 @@ def test_cli_bad_fault_and_set_exit_with_the_list(tiny_model):
 
 def test_every_fault_matrix_case_passes_the_checks(tiny_model):
     """The fault matrix's candidates are runs that have what their faults name (and inject the same faults)."""
-    from layerscope.api import _fault_items, _gateway
+    from layerscope.api import _fault_items
+    from layerscope.engine.gateway.cli import build_gateway
     from layerscope.regressions import fault_matrix as fm
 
     checked = set()
     for case in fm.CASES:
         kw = {**case.baseline, **case.candidate}
-        gateway = _gateway(tiny_model, kw.get("config"), _fault_items(kw.get("faults")), "off",
-                           kw.get("replicas", 1), kw.get("tp", 0), None)  # not started: only checked
+        gateway = build_gateway(tiny_model, config=kw.get("config"), faults=_fault_items(kw.get("faults")),
+                                replicas=kw.get("replicas", 1), tp=kw.get("tp", 0))  # not started: only checked
         checked.update(gateway.faults.to_dict())
     assert checked == set(FAULTS)  # every fault is in the matrix, and each passed its checks
 

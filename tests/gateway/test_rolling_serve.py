@@ -7,40 +7,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
-import pyarrow as pa
-import pyarrow.parquet as pq
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from layerscope.probes.rolling import PART_NAME
+from layerscope.probes.bench_soak import start_server
+from layerscope.probes.reader import read_bundle
 
 
 def _start(tiny_model, bundle, *extra):
-    cmd = [sys.executable, "-m", "layerscope", "serve", "--model", str(tiny_model), "--port", "0",
-           "--bundle", str(bundle), "--set", "max_num_seqs=4", *(extra or ("--bundle-interval", "0.5"))]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if "listening on" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(180):
-        proc.kill()
-        pytest.fail("serve did not start:\n" + "".join(lines))
-    return proc, next(line for line in lines if "listening on" in line).split()[-1], lines
+    return start_server(tiny_model, bundle, ["--set", "max_num_seqs=4", *(extra or ("--bundle-interval", "0.5"))])
 
 
 def _complete(client, n, model):
@@ -54,9 +31,7 @@ def _manifest(bundle):
 
 
 def _read(bundle, name):
-    m = _manifest(bundle)
-    return pa.concat_tables([pq.read_table(bundle / f"{name}.parquet" / PART_NAME.format(k))
-                             for k in range(m["first_part"], m["parts"] + 1)])
+    return read_bundle(bundle).table(name)
 
 
 def _wait_for(cond, timeout=30):
@@ -108,15 +83,16 @@ def test_a_killed_server_leaves_a_bundle_that_reads_up_to_its_last_part(tiny_mod
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the gateway and its replica, no chance to close anything
         proc.wait(30)
-    m = _manifest(bundle)
-    assert m["complete"] is False and m["parts"] >= 1
-    req = _read(bundle, "requests")
-    assert req.num_rows == m["summary"]["requests"] == 8
+    b = read_bundle(bundle)
+    assert b.manifest["complete"] is False and b.parts >= 1
+    assert b.note.startswith("still recording or cut short")
+    assert b.table("requests").num_rows == b.manifest["summary"]["requests"] == 8
 
 
 def test_parts_come_by_request_count_when_the_interval_is_long(tiny_model, tmp_path):
     bundle = tmp_path / "bundle"
-    proc, url, lines = _start(tiny_model, bundle, "--bundle-interval", "600", "--bundle-max-requests", "5")
+    proc, url, lines = _start(tiny_model, bundle, "--bundle-interval", "600", "--bundle-max-requests", "5",
+                              "--fault", "output.delay_ms=1")
     try:
         with httpx.Client(base_url=url, timeout=60) as c:
             _complete(c, 5, str(tiny_model))
@@ -130,3 +106,4 @@ def test_parts_come_by_request_count_when_the_interval_is_long(tiny_model, tmp_p
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(lines[-20:])
     assert _read(bundle, "requests").num_rows == 11
+    assert _manifest(bundle)["faults"] == {"output.delay_ms": 1.0}  # what the server was given

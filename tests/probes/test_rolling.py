@@ -4,6 +4,7 @@ part while requests are in flight, written by RollingBundleWriter and read back 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -165,3 +166,50 @@ def test_a_bundle_directory_in_the_way_is_an_error(tmp_path):
     (tmp_path / "b" / "x").write_text("keep me")
     with pytest.raises(FileExistsError, match="not empty"):
         RollingBundleWriter(tmp_path / "b")
+
+
+def _refused(gw, rid):
+    """The gateway refuses ``rid`` (429): a gateway row with no replica, no engine row to come."""
+    gw.gateway_begin(rid)
+    gw.gateway_end(rid, status="rejected", http_status=429, error="admission queue full",
+                   gateway_finished_ns=time.monotonic_ns())
+
+
+def test_client_rows_join_their_request_row_in_the_part_where_the_last_side_came(tmp_path):
+    from layerscope.probes.serving import GatewayProbeRecorder
+
+    gw = GatewayProbeRecorder("tiny")
+    gw.start()
+    writer = RollingBundleWriter(tmp_path / "b", probes="default", expect_client=True)
+    _refused(gw, "r1")
+    writer.add(gw.drain(), [])  # part 1: the gateway's side alone, the client's still to come
+    assert writer.num_pending == 1
+    send = time.monotonic_ns()
+    lost = {"request_id": "client-7", "status": "error", "error": "connection reset", "client_send_ns": send}
+    writer.add(gw.drain(), [], client_rows=[
+        {"request_id": "r1", "status": "rejected", "http_status": 429, "client_send_ns": send, "error": "client's"},
+        lost])  # part 2: r1 complete; client-7 has no server side and waits
+    assert writer.num_pending == 1
+    for _ in range(3):
+        writer.add(None, [])  # parts 3..5: client-7 waited wait_parts=3 parts
+    writer.close()
+    gw.shutdown()
+    b = tmp_path / "b"
+    per_part = [pq.read_table(b / "requests.parquet" / PART_NAME.format(k)).to_pylist() for k in range(1, 7)]
+    assert [[r["request_id"] for r in rows] for rows in per_part] == [[], ["r1"], [], [], ["client-7"], []]
+    r1 = per_part[1][0]
+    assert r1["gateway_finished_ns"] and r1["client_send_ns"] == send and r1["http_status"] == 429
+    assert r1["error"] == "admission queue full"  # the gateway's value wins over the client's
+    assert per_part[4][0]["error"] == "connection reset" and writer.num_pending == 0
+
+
+def test_without_a_client_a_refused_request_is_written_at_once(tmp_path):
+    from layerscope.probes.serving import GatewayProbeRecorder
+
+    gw = GatewayProbeRecorder("tiny")
+    gw.start()
+    writer = RollingBundleWriter(tmp_path / "b", probes="default")
+    _refused(gw, "r1")
+    writer.add(gw.drain(), [])
+    gw.shutdown()
+    assert pq.read_table(tmp_path / "b" / "requests.parquet" / PART_NAME.format(1))["request_id"].to_pylist() == ["r1"]
