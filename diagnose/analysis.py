@@ -93,6 +93,15 @@ class RunAnalysis:
         return float(span)
 
     @cached_property
+    def num_replicas(self) -> int:
+        """Engine replicas of the run: those in the manifest's summary.replicas (every replica that
+        handed over records, idle ones too), else those that served requests."""
+        r = self.run.requests
+        served = int(r["replica"].nunique()) if r["replica"].notna().any() else 1
+        listed = (self.run.manifest.get("summary") or {}).get("replicas") or []
+        return max(served, len(listed))
+
+    @cached_property
     def indicators(self) -> dict[str, float]:
         """Run-level figures (counts, fractions of steps, seconds) for detectors and cause rules."""
         s = self.run.steps
@@ -101,7 +110,7 @@ class RunAnalysis:
         n_steps = len(s)
         out: dict[str, float] = {"num_requests": len(r), "num_finished": len(ok), "num_steps": n_steps,
                                  "busy_s": self.busy_s,
-                                 "num_replicas": int(r["replica"].nunique()) if r["replica"].notna().any() else 1}
+                                 "num_replicas": self.num_replicas}
         out_tokens = float(ok["num_output_tokens"].sum())
         out["output_tokens"] = out_tokens
         out["output_tokens_per_s"] = out_tokens / self.busy_s if self.busy_s > 0 else np.nan
@@ -142,8 +151,8 @@ class RunAnalysis:
         out["prefill_tokens_share"] = float(s["num_prefill_tokens"].sum()) / computed if computed else np.nan
         # router: share of requests (and of engine.queue time) per replica
         if out["num_replicas"] > 1:
-            counts = r["replica"].value_counts(normalize=True)
-            out["replica_share_max"] = float(counts.max() * len(counts))
+            counts = r["replica"].value_counts(normalize=True)  # a replica that served nothing counts too
+            out["replica_share_max"] = float(counts.max() * out["num_replicas"])
             q_by = ok.groupby("replica")[decompose.col("ttft", "engine.queue")].mean()
             out["replica_queue_s_max"] = float(q_by.max())
             out["replica_queue_s_min"] = float(q_by.min())

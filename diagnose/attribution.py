@@ -291,7 +291,11 @@ class Causes:
             return [Part("engine.kv", d, f"KV cache exhausted: requests wait {where} for free blocks and get preempted",
                          self._kv_evidence())]
         if self._prefix_lost(s):
-            return [Part("engine.kv", d, "prefix-cache hits dropped: every prompt is prefilled in full, so requests "
+            if "router_policy" in self.keys:
+                return [Part("gateway.route", d, "prefix-cache hits dropped with the routing (router_policy changed), "
+                             "so requests wait longer for the busier engine",
+                             self._prefix_evidence() + self._router_evidence())]
+            return [Part("engine.kv", d, "prefix-cache hits dropped: more of each prompt is prefilled, so requests "
                          "wait longer for the busier engine", self._prefix_evidence())]
         seqs_up = y["seqs_capped_frac"] - x["seqs_capped_frac"] >= 0.1
         if seqs_up and ("max_num_seqs" in self.keys or self.slowdown(s) < 0.1):
@@ -540,7 +544,10 @@ class Causes:
               f"{self.b.run.steps['num_batched_tokens'].mean():.1f}"]
         s = 1.0 if d >= 0 else -1.0
         if self._prefix_lost(s):
-            return Part("engine.kv", d, "prefix-cache hits dropped, so prompts are prefilled in full",
+            if "router_policy" in self.keys:  # where requests land decides what each replica has cached
+                return Part("gateway.route", d, "prefix-cache hits dropped with the routing (router_policy changed), "
+                            "so more of each prompt is prefilled", self._prefix_evidence() + self._router_evidence() + ev)
+            return Part("engine.kv", d, "prefix-cache hits dropped, so more of each prompt is prefilled",
                         self._prefix_evidence() + ev)
         if s * (ib["recomputed_token_frac"] - ia["recomputed_token_frac"]) >= 0.05:
             return Part("engine.kv", d, "preempted requests recompute their KV", self._kv_evidence() + ev)
@@ -570,8 +577,10 @@ class Causes:
         x, y = (self.ia, self.ib) if s > 0 else (self.ib, self.ia)
         ha, hb = x["prefix_hit_rate"], y["prefix_hit_rate"]
         ca, cb = x["cached_token_frac"], y["cached_token_frac"]
+        # hits down 10 points, or the uncached share of the prompts up 10% of itself (at a 90% hit
+        # rate, 88% -> 92% is a third less prefill)
         lost = (not math.isnan(ha) and (math.isnan(hb) or ha - hb >= 0.1)) or (
-            not math.isnan(ca) and not math.isnan(cb) and ca - cb >= 0.1)
+            not math.isnan(ca) and not math.isnan(cb) and (ca - cb >= 0.1 or (1 - cb) >= 1.1 * (1 - ca) > 0))
         return bool(lost) and y["prefill_tokens_per_request"] >= 1.1 * x["prefill_tokens_per_request"]
 
     def _prefix_evidence(self) -> list[str]:

@@ -331,7 +331,7 @@ def _findings(name: str, comp: pd.DataFrame, causes: Causes, metric: dict, label
 _FASTER = {"got slower": "got faster", "grew": "shrank", "longer": "shorter", "slower": "faster",
            "more requests": "fewer requests", "larger batches": "smaller batches", "more tokens": "fewer tokens",
            "fewer tokens each": "more tokens each", "more often": "less often", "more steps": "fewer steps",
-           "exhausted": "relieved", "dropped": "rose", "busier": "quieter"}
+           "exhausted": "relieved", "dropped": "rose", "busier": "quieter", "more of each prompt": "less of each prompt"}
 _FASTER_RE = re.compile("|".join(re.escape(k) for k in sorted(_FASTER, key=len, reverse=True)))
 
 

@@ -160,6 +160,9 @@ def manifest(writer, faults: Any, summary: dict[str, Any], env: tuple[dict, dict
         "start_time": writer.start_time,
         "summary": summary,
     }
+    replicas = sorted(getattr(writer, "replica_ids", ()) or ())
+    if replicas:  # every engine replica of the run, also one that served nothing (a router collapse)
+        m["summary"] = {**summary, "replicas": replicas}
     assert tuple(m) == schema.MANIFEST_KEYS  # the writers and the contract move together
     return m
 
@@ -198,10 +201,13 @@ class BundleWriter:
         self._metrics: list[str] = []
         self._traces: list[tuple[str, Path | bytes]] = []
         self._num_steps = 0
+        self.replica_ids: set[str] = set()  # engine replicas that handed over records, idle ones too
 
     def _add(self, meta: dict[str, Any], tables: dict[str, pa.Table], metrics: str,
              traces: list[tuple[str, Path | bytes]]) -> "BundleWriter":
         rows = tables["requests"].to_pylist()
+        if meta.get("replica") not in (None, "gateway"):
+            self.replica_ids.add(str(meta["replica"]))
         if meta.get("replica") == "gateway":  # engine rows first: their values win the join
             self._request_rows += rows
         else:

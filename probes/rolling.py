@@ -334,6 +334,11 @@ class RollingBundleWriter:
     def _write_manifest(self) -> None:
         write_text(self.out / MANIFEST, json.dumps(self._manifest(), indent=1, default=str))
 
+    @property
+    def replica_ids(self) -> set[str]:
+        """Engine replicas that handed over drains, idle ones too (the manifest's summary.replicas)."""
+        return {k for k in self._num_steps if k != "gateway"}
+
     def _manifest(self) -> dict[str, Any]:
         from layerscope.probes.environment import hardware, versions
 

@@ -99,3 +99,17 @@ def test_demo_creates_the_model_runs_and_diagnoses(tmp_path, capsys):
     assert (tmp_path / "m" / "config.json").is_file()
     text = capsys.readouterr().out
     assert f"layerscope tui {run}" in text and "TTFT" in text
+
+
+def test_a_replica_that_served_nothing_is_still_in_the_bundle(tiny_model, tmp_path):
+    """Every request routed to replica 0: the bundle still lists replica 1 (manifest summary.replicas),
+    so diagnose sees two replicas, one of them with all the traffic (a router collapse is visible)."""
+    from layerscope.diagnose.analysis import RunAnalysis
+
+    out = layerscope.run(model=tiny_model, workload="chat", out=tmp_path / "r", replicas=2,
+                         workload_params={"num_requests": 6, "rate": 0, "seed": 3}, faults={"router.skew": 1.0})
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["summary"]["replicas"] == ["0", "1"], m["summary"]
+    a = RunAnalysis(out)
+    assert set(a.run.requests["replica"].astype(str)) == {"0"}
+    assert a.num_replicas == 2 and a.indicators["replica_share_max"] == 2.0
