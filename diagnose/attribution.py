@@ -122,8 +122,9 @@ class Causes:
     """Cause rules for one baseline/candidate pair (both runs' analyses + their diffs)."""
 
     def __init__(self, a: RunAnalysis, b: RunAnalysis, changed_keys: set[str], workload_changed: bool,
-                 hardware_changed: bool):
+                 hardware_changed: bool, same_machine: bool = False):
         self.a, self.b = a, b
+        self.same_machine = same_machine  # machine evidence recorded in both runs says it did not differ
         self.ia, self.ib = a.indicators, b.indicators
         self.keys = changed_keys
         self.workload_changed = workload_changed
@@ -202,7 +203,7 @@ class Causes:
         {phase: ratio} or None."""
         r = self.phase_ratios()
         vals = [v for v in r.values() if not math.isnan(v)]
-        if len(vals) < 3 or self.keys or self.workload_changed:
+        if len(vals) < 3 or self.keys or self.workload_changed or self.same_machine:
             return None
         up = all(v >= 1.25 for v in vals) or all(v <= 0.8 for v in vals)
         return r if up and max(vals) / min(vals) <= 1.8 else None

@@ -20,7 +20,7 @@ from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
 from layerscope.diagnose.config_diff import can_move, config_diff, diff_records, mark_consistency
 from layerscope.diagnose.load import Run
-from layerscope.diagnose.machine import machine_diff, machine_json, machine_relevant, machine_verdict
+from layerscope.diagnose.machine import machine_diff, machine_json, machine_relevant, machine_verdict, unstable
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, sensitivity, block_indices, compare_quantile, compare_rate
 from layerscope.diagnose.workload import workload_diff
 
@@ -99,7 +99,12 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     workload_changed = bool(wdiff["material"].any())
     changed_keys = set(cdiff.loc[cdiff["kind"] == "config", "key"]) | {
         f"resolved.{k.split('.')[-1]}" for k in cdiff.loc[cdiff["kind"] == "resolved", "key"]}
-    causes = Causes(a, b, changed_keys, workload_changed, bool((cdiff["kind"] == "hardware").any()))
+    env = machine_diff(a, b)
+    # both runs' machines were recorded and did not differ (nor vary, unless the change held over
+    # interleaved repetitions): a slowdown of every phase alike is then not the machine's
+    same_machine = bool(env.get("recorded") and not env.get("changed") and (attribute or not unstable(env)))
+    causes = Causes(a, b, changed_keys, workload_changed, bool((cdiff["kind"] == "hardware").any()),
+                    same_machine=same_machine)
     the_slo = slos(a, slo)
 
     metrics: dict[str, dict] = {}
@@ -145,9 +150,11 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         findings += _goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
 
     verdict = _verdict(metrics, workload_changed)
-    env = machine_diff(a, b)
     if verdict in ("regression", "improvement") and machine_relevant(env):
-        verdict, findings = machine_verdict(verdict, metrics, findings, env, causes, cdiff)
+        # regress (``attribute``) established the change over interleaved repetitions: a machine that
+        # varied hit both versions alike there, so only a machine that differed explains it
+        verdict, findings = machine_verdict(verdict, metrics, findings, env, causes, cdiff,
+                                            interleaved=bool(attribute))
     if verdict == "workload_changed":
         wf = _workload_finding(metrics, wdiff)
         same = [f for f in findings if f["layer"] == "workload" and f["metric"] == wf["metric"]]

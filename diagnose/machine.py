@@ -162,16 +162,18 @@ def machine_diff(a, b) -> dict[str, Any]:
     return out
 
 
-def machine_explains(metric: dict, higher_is_worse: bool, env: dict[str, Any]) -> bool:
+def machine_explains(metric: dict, higher_is_worse: bool, env: dict[str, Any], interleaved: bool = False) -> bool:
     """Whether the machine can explain a significant change of one metric: its speed varied
     while the runs were recorded (``machine_range`` >= 1.25: then in either direction), or
     the runs' machines differed significantly and the change goes the way that predicts
     (the run on the busier machine is the slower one; either way when the evidence points
-    both ways)."""
+    both ways). ``interleaved``: the change held over interleaved repetitions (``regress``), where a
+    machine whose speed varied hit both versions alike: then only a difference between the runs'
+    machines explains it, never the variation alone."""
     d = metric.get("delta_pct")
     if d is None or (isinstance(d, float) and math.isnan(d)):
         return False
-    if unstable(env):
+    if unstable(env) and not interleaved:
         return True
     if not env.get("changed"):
         return False
@@ -197,15 +199,15 @@ def _higher_is_worse(name: str) -> bool:
 
 
 def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, causes,
-                     cdiff: pd.DataFrame) -> tuple[str, list[dict]]:
+                     cdiff: pd.DataFrame, interleaved: bool = False) -> tuple[str, list[dict]]:
     """The runs' machines differed (machine.machine_diff). Changes in the direction the machine
     predicts become ``environment_changed`` with one ``hardware`` finding per metric, unless a
     software change stands out beyond what the machine explains: one step phase changed by a
     factor well beyond the others' (``Causes.standout_phase``), or a config key changed that
     can move the layer the cause rules named. Then the software finding stays, and the machine
-    difference is added to its evidence."""
+    difference is added to its evidence. ``interleaved``: see ``machine_explains``."""
     sig = [n for n, m in metrics.items() if m["significant"]]
-    explained = [n for n in sig if machine_explains(metrics[n], _higher_is_worse(n), env)]
+    explained = [n for n in sig if machine_explains(metrics[n], _higher_is_worse(n), env, interleaved)]
     note = "the machine differed too: " + "; ".join(e for e in env["evidence"])
     if not explained:
         for f in findings:

@@ -107,3 +107,29 @@ def test_a_front_end_change_that_stands_out_is_still_named(synth):
     d = compare(quiet, both).diagnosis
     assert d["verdict"] == "regression" and d["primary"]["layer"] == "gateway.queue", d["findings"][:2]
     assert any("gateway.queue per request" in e for e in d["findings"][0]["evidence"])
+
+
+def test_every_phase_slower_on_the_same_recorded_machine_is_not_the_machines(synth):
+    """The uniform-factor rule ('every phase slower alike: the machine') only stands where the
+    machine was not measured: here both runs recorded the same machine, so a software that is
+    slower everywhere is named as software."""
+    a = synth(seed=1, noise_seed=1, outside_cpu_cores=0.3)
+    b = synth(seed=1, noise_seed=2, outside_cpu_cores=0.3, machine_slowdown=1.6)
+    d = compare(a, b).diagnosis
+    assert d["machine"]["recorded"] and not d["machine"]["changed"], d["machine"]
+    assert d["verdict"] == "regression" and d["primary"]["layer"] != "hardware", d["findings"][:2]
+
+
+def test_a_machine_that_varied_does_not_explain_a_change_that_held_over_interleaved_repetitions():
+    """A machine whose speed varied (yardstick range >= 1.25) but did not differ between the runs
+    explains one pair's change (either way); over interleaved repetitions (regress) it hit both
+    versions alike, so it explains nothing; a machine that differed still does."""
+    from layerscope.diagnose.machine import machine_explains
+
+    slower = {"delta_pct": 40.0}
+    varied = {"machine_range": 2.96, "changed": False, "busier": None}
+    assert machine_explains(slower, True, varied)
+    assert not machine_explains(slower, True, varied, interleaved=True)
+    busier = {"machine_range": 2.96, "changed": True, "busier": "candidate"}
+    assert machine_explains(slower, True, busier, interleaved=True)
+    assert not machine_explains(slower, True, {**busier, "busier": "baseline"}, interleaved=True)
