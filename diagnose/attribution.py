@@ -415,6 +415,9 @@ class Causes:
         ia, ib = self.ia, self.ib
         s = 1.0 if d >= 0 else -1.0
         word = "grew" if s > 0 else "shrank"
+        sampler = self._sampler(d)
+        if sampler is not None:
+            return [sampler]
         fwd_slow = self.phase["model.forward"]
         base_fwd = ia.get("forward_s_mean") or math.nan
         normalized = fwd_slow / base_fwd if base_fwd > 0 else 0.0
@@ -571,6 +574,28 @@ class Causes:
             if parts:
                 return parts
         return Part("model.forward", d, "steps carry more tokens per forward (batch composition)", ev)
+
+    def _sampler(self, d: float) -> Part | None:
+        """The sampler (model.forward's sampling row, timed apart from the forward) got slower
+        (s > 0) or faster per sampled row by >= 25%, and by >= 10% of the baseline's step: the
+        forward's own time is then not what moved (sampling is booked with the model step)."""
+        s = 1.0 if d >= 0 else -1.0
+
+        def per_row(x: RunAnalysis) -> float:
+            st = x.run.steps
+            rows = float((st["num_decode_seqs"].fillna(0) + st["num_prefill_seqs"].fillna(0)).sum())
+            return float(st["sample_s"].fillna(0).sum()) / rows if rows > 0 else math.nan
+
+        ra, rb = per_row(self.a), per_row(self.b)
+        ma, mb = self.ia.get("sample_s_mean") or 0.0, self.ib.get("sample_s_mean") or 0.0
+        base = self._base_step
+        if not (ra > 0 and rb > 0 and base and base > 0):
+            return None
+        if s * (rb / ra - 1) >= 0.25 and s * (mb - ma) >= 0.1 * base:
+            return Part("model.forward", d, "the sampler got slower per sampled row",
+                        [f"sampling time per sampled row {ms(ra)} -> {ms(rb)}",
+                         f"sampling time per step {ms(ma)} -> {ms(mb)} (step {ms(base)})"])
+        return None
 
     # ---- evidence helpers ----
     def _prefix_lost(self, s: float = 1.0) -> bool:

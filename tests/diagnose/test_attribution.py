@@ -84,3 +84,18 @@ def test_attribute_works_out_layers_of_a_change_the_pair_alone_does_not_call(syn
     found = [f for f in forced["findings"] if f["metric"] == "tpot_p50_s"]
     assert found and found[0]["layer"] == "engine.schedule", [(f["layer"], f["share"]) for f in found]
     assert forced["verdict"] == plain["verdict"]  # the pair's own verdict is unchanged
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_slower_sampler_is_named_as_the_sampler_either_way(synth, flip):
+    """Sampling is timed apart from the forward and booked with model.forward: a sampler that got
+    slower per sampled row (a full-vocabulary sort, zoo sampler-top-p-full-sort) is said so."""
+    fast = synth(seed=1, noise_seed=1, sample_per_seq_s=0.00002)
+    slow = synth(seed=1, noise_seed=2, sample_per_seq_s=0.0001)
+    a, b = (slow, fast) if flip else (fast, slow)
+    d = compare(a, b).diagnosis
+    assert d["verdict"] == ("improvement" if flip else "regression"), d["metrics"]
+    top = d["findings"][0]
+    assert top["layer"] == "model.forward", [(f["layer"], f["cause"]) for f in d["findings"]]
+    assert top["cause"] == f"the sampler got {'faster' if flip else 'slower'} per sampled row"
+    assert any(e.startswith("sampling time per sampled row") for e in top["evidence"])
