@@ -167,13 +167,14 @@ class RequestScan:
     def pages(self) -> RequestPages:
         """The request table (views.REQUEST_COLUMNS), slowest E2E first, as RequestPages."""
         lf = self.lazy()
-        best = pl.concat_list([pl.col(c).fill_null(-1.0) for c in E2E_COLUMNS]).list.arg_max()
-        names = dict(enumerate(COMPONENTS))
+        # the largest E2E component, the first of equals (breakdown._finish's rule; a missing one: -1)
+        values = [pl.col(c).fill_null(-1.0) for c in E2E_COLUMNS]
+        top = pl.max_horizontal(values)
+        dominant = pl.coalesce([pl.when(v == top).then(pl.lit(layer)) for layer, v in zip(COMPONENTS, values)])
         table = lf.select(
             "request_id", "ttft_s", "tpot_s", "e2e_s", (pl.col(_QUEUE[0]) + pl.col(_QUEUE[1])).alias("queue_s"),
             "num_preemptions", "replica", "status",
-            pl.when(pl.col("e2e_s").is_not_null()).then(best.replace_strict(names, return_dtype=pl.String))
-            .otherwise(None).alias("dominant_layer"),
+            pl.when(pl.col("e2e_s").is_not_null()).then(dominant).otherwise(None).alias("dominant_layer"),
             "num_prompt_tokens", "num_output_tokens",
         ).sort("e2e_s", descending=True, nulls_last=True, maintain_order=True).collect()
         return RequestPages(table)
