@@ -90,7 +90,11 @@ def test_follow_a_live_server(terminal, tiny_model, tmp_path):  # noqa: F811
         assert load.returncode == 0, load.stdout[-2000:] + load.stderr[-2000:]
         written = _wait("the load in the bundle", lambda: (n := _manifest(bundle)["summary"]["requests"])
                         >= 3 + NUM_LOAD and n, t)
-        screen = _wait(f"{written} requests on screen", lambda: (s := t.screen()) if _count(s) == written else None, t)
+        def shows_all() -> str | None:
+            screen = t.screen()
+            return screen if _count(screen) == written else None
+
+        screen = _wait(f"{written} requests on screen", shows_all, t)
         assert _count(screen) > at_open
         assert f"{written:,} requests ({written:,} finished)" in screen and "● LIVE" in screen, screen
         total = written
