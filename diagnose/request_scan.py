@@ -68,16 +68,20 @@ class RequestScan:
     def name(self) -> str:
         return self.manifest.get("run_id") or Path(self.path).name
 
-    def lazy(self) -> pl.LazyFrame:
-        """The requests' ``_COLUMNS`` over every file, in file order, typed as the schema says
-        (an all-null column of a part reads as the schema's type), NaN as null, with ``row``:
-        the position in the bundle (the order ``load_run`` reads)."""
+    def lazy(self, e2e_at_least: float | None = None) -> pl.LazyFrame:
+        """The requests' ``_COLUMNS`` over every file, in file order (the order ``load_run`` reads),
+        typed as the schema says (an all-null column of a part reads as the schema's type), NaN
+        as null. ``e2e_at_least``: only rows with at least that E2E, filtered in each file's scan
+        (Parquet statistics skip row groups; the other columns are read for those rows only)."""
         sch = pl.from_arrow(schema.REQUESTS.empty_table().select(_COLUMNS)).schema
         cast = [pl.col(c).cast(t) for c, t in sch.items()]
         nan = [pl.col(c).fill_nan(None) for c, t in sch.items() if t == pl.Float64]
-        frames = [pl.scan_parquet(f).select(cast) for f in self.files]
-        lf = pl.concat(frames, how="vertical") if frames else pl.LazyFrame(schema=sch)
-        return lf.with_columns(nan).with_row_index("row")
+        frames = [pl.scan_parquet(f) for f in self.files]
+        if e2e_at_least is not None:  # NaN >= x is true for Polars: dropped after fill_nan below
+            frames = [f.filter(pl.col("e2e_s") >= e2e_at_least) for f in frames]
+        lf = pl.concat([f.select(cast) for f in frames], how="vertical") if frames else pl.LazyFrame(schema=sch)
+        lf = lf.with_columns(nan)
+        return lf.filter(pl.col("e2e_s") >= e2e_at_least) if e2e_at_least is not None else lf
 
     # ---- the overview ------------------------------------------------------------------------
     def overview(self, top: int = 10) -> dict[str, Any] | None:
@@ -110,19 +114,12 @@ class RequestScan:
                 pl.col("num_output_tokens").filter(ok).cast(pl.Float64).sum().alias("out_tokens"),
                 good.sum().alias("n_good"),
                 *[lim.alias(f"slo_{k}") for k, lim in limits.items()]]
-        for m in _METRICS:
-            v = pl.col(m).filter(ok)
-            aggs += [v.count().alias(f"{m}_count"), *[v.quantile(q / 100, "linear").alias(f"{m}_p{q}") for q in _QS]]
-        for m in _CLIENT:
-            v = pl.col(m)
-            aggs += [v.count().alias(f"{m}_count"), *[v.quantile(q / 100, "linear").alias(f"{m}_p{q}") for q in _QS]]
+        for m in (*_METRICS, *_CLIENT):  # client percentiles over every request, as summarize has them
+            v = pl.col(m).filter(ok) if m in _METRICS else pl.col(m)
+            aggs += [v.count().alias(f"{m}_count"), v.quantile([q / 100 for q in _QS], "linear").alias(f"{m}_q")]
         aggs += [pl.col(c).filter(ok).sum().alias(f"sum_{c}") for c in (*E2E_COLUMNS, "e2e_residual_s")]
-        # the slowest: every finished request at least as slow as the top-th (ties kept), in the
-        # order of RunAnalysis.ok (arrival, then position); nlargest picks from them as summarize does
-        cands = (lf.filter(ok).filter(pl.col("e2e_s") >= pl.col("e2e_s").top_k(top).min())
-                 .with_columns(start.alias("arrival")).sort(["arrival", "row"], nulls_last=True))
-        agg, cands = pl.collect_all([lf.select(aggs), cands])
-        a = agg.row(0, named=True)
+        aggs.append(pl.col("e2e_s").filter(ok).top_k(top).min().alias("slowest_e2e_s"))
+        a = lf.select(aggs).collect().row(0, named=True)
         if a["n_ids"] != a["n"]:
             raise RunError(f"{self.path}: requests.parquet has duplicate request ids")
         if a["n_e2e"] == 0 or a["n_missing"]:
@@ -135,6 +132,10 @@ class RequestScan:
         client = {m: _percentiles(a, m) for m in _CLIENT if a[f"{m}_count"]}
         shares = decompose.time_shares(pd.DataFrame({c: [a[f"sum_{c}"]] for c in (*E2E_COLUMNS, "e2e_residual_s")}),
                                        "e2e")
+        # the slowest: every finished request at least as slow as the top-th (ties kept), in the
+        # order of RunAnalysis.ok (arrival, then position); nlargest picks from them as summarize does
+        cands = (self.lazy(a["slowest_e2e_s"]).filter(ok).with_columns(start.alias("arrival"))
+                 .sort("arrival", nulls_last=True, maintain_order=True).collect())
         slowest = slowest_requests(SimpleNamespace(ok=cands.to_pandas()), top)
         slo = {k: float(v) for k, v in given.items()} if given else \
             {k: float(a[f"slo_{k}"]) for k in limits if a[f"slo_{k}"] is not None}
@@ -181,10 +182,11 @@ class RequestScan:
 
 
 def _percentiles(a: dict[str, Any], m: str) -> dict[str, Any]:
+    """contract.percentiles's dict from the aggregates (linear interpolation, as numpy's default)."""
     out: dict[str, Any] = {"count": int(a[f"{m}_count"])}
-    for q in _QS:
-        v = a[f"{m}_p{q}"]
-        out[f"p{q}"] = float(v) if v is not None else None
+    values = a[f"{m}_q"] or [None] * len(_QS)
+    for q, v in zip(_QS, values):
+        out[f"p{q}"] = float(v) if v is not None and out["count"] else None
     return out
 
 
