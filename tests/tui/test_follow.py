@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import time
 from datetime import datetime, timedelta, timezone
@@ -36,7 +37,9 @@ def _written(bundle, parts: int, complete: bool = False) -> None:
     m = json.loads((bundle / "manifest.json").read_text())
     m.update(parts=parts, complete=complete,
              last_part_time=(datetime.now(timezone.utc) - timedelta(seconds=3)).isoformat() if parts else None)
-    (bundle / "manifest.json").write_text(json.dumps(m))
+    tmp = bundle / "manifest.json.tmp"
+    tmp.write_text(json.dumps(m))
+    os.replace(tmp, bundle / "manifest.json")  # atomically, as the writer does: the TUI polls it meanwhile
 
 
 async def _until(pilot, cond, what: str, timeout_s: float = 30.0) -> None:
