@@ -37,6 +37,9 @@ from layerscope.diagnose.errors import RunError
 from layerscope.diagnose.tui.messages import ComparisonReady, LiveStatus, RunFailed, RunOpened, SummaryReady
 
 
+SUMMARY_DELAY_S = 0.3  # after the overview is drawn, the full analysis (findings) starts
+
+
 class LayerscopeApp(App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "layerscope"
@@ -168,7 +171,9 @@ class LayerscopeApp(App[int]):
             self.post_message(message)
 
         thread = threading.Thread(target=run, name=f"layerscope-summary-{index}", daemon=True)
-        self.call_after_refresh(thread.start)
+        # started a little after the screen's refresh: its first seconds hold the GIL (reading and
+        # framing the bundle), which would otherwise hold up drawing the overview it waits behind
+        self.call_after_refresh(self.set_timer, SUMMARY_DELAY_S, thread.start)
 
     def on_summary_ready(self, message: SummaryReady) -> None:
         self.summarizing.discard(message.index)
@@ -201,7 +206,8 @@ class LayerscopeApp(App[int]):
             self.post_message(LiveStatus(-1, False, None, opening))  # said in the header; retried
             return
         parts, complete = m.get("parts"), bool(m.get("complete", True))
-        status = LiveStatus(parts if isinstance(parts, int) else -1, complete, m.get("last_part_time"), opening)
+        status = LiveStatus(parts if isinstance(parts, int) or parts is None else -1, complete,
+                            m.get("last_part_time"), opening)
         key = (parts, complete)
         if key == shown or parts == 0:  # nothing new, or nothing written yet
             self.post_message(status)
@@ -285,6 +291,8 @@ def live_text(live: LiveStatus | None, now: datetime | None = None) -> str:
     '● LIVE  waiting for the first part'."""
     if live is None:
         return "● LIVE  reading the manifest…"
+    if live.parts is None:
+        return "■ complete  (a bundle of single files, not written in parts: nothing more will come)"
     if live.parts < 0:
         return "● LIVE  the manifest cannot be read now (retrying)"
     state = "■ complete" if live.complete else "● LIVE"

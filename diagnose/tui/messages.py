@@ -36,12 +36,12 @@ class SummaryReady(Message):
 class LiveStatus(Message):
     """--follow: what the bundle's manifest says now (parts written, complete, when the last came)."""
 
-    def __init__(self, parts: int, complete: bool, last_part_time: str | None, opening: int = 0,
+    def __init__(self, parts: int | None, complete: bool, last_part_time: str | None, opening: int = 0,
                  key: tuple | None = None) -> None:
         super().__init__()
         self.opening = opening
         self.key = key  # (parts, complete) of the view just opened with it; None: nothing opened
-        self.parts = parts  # -1: the manifest could not be read
+        self.parts = parts  # -1: the manifest could not be read; None: not a rolling bundle
         self.complete = complete
         self.last_part_time = last_part_time  # ISO, UTC
 

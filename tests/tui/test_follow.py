@@ -116,3 +116,14 @@ def test_live_text():
     assert live_text(LiveStatus(1, True, "2026-12-01T19:32:13+00:00"), now) == \
         "■ complete  1 part, last part 19:32:13 UTC (10 min ago)"
     assert "cannot be read" in live_text(LiveStatus(-1, False, None), now)
+    assert live_text(LiveStatus(None, True, None), now).startswith("■ complete  (a bundle of single files")
+
+
+async def test_follow_a_bundle_of_single_files_says_it_is_complete(tmp_path):
+    from .conftest import DATA
+
+    app = LayerscopeApp([str(DATA / "gateway_preemption_tp")], cursor_blink=False, follow=True,
+                        follow_interval_s=0.1)
+    async with app.run_test(size=SIZE) as pilot:
+        await _until(pilot, lambda: _headline(app).startswith("3 requests (3 finished)"), "the overview")
+        await _until(pilot, lambda: "■ complete  (a bundle of single files" in app.title, "the header")
