@@ -1,9 +1,11 @@
 """Views of one run for browsing (the TUI's data): plain functions from a loaded run to
 DataFrames and dataclasses. Headless: no textual import; the TUI only renders these.
 
-* ``open_run(path) -> RunView``: the run, its single-run report, and lazily its request table,
-  step series and per-request details
+* ``open_run(path) -> RunView``: the run's overview (from Polars aggregates when the bundle
+  stores its per-request components: request_scan), and lazily its full report with findings,
+  request table (paged: ``RunView.pages``), step series and per-request details
 * ``request_table(a)``: one row per request, slowest first; ``sort_requests``, ``filter_requests``
+  (``filter_expr``: the filter as a Polars expression, which the paged table uses too)
 * ``request_detail(a, request_id) -> RequestDetail``: the waterfall (time-ordered phases), E2E
   by layer, lifecycle events, the steps it joined (batch composition, KV state), model time per
   layer row and kernels vs launch gaps on those steps
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -48,23 +51,66 @@ class FilterError(ValueError):
 
 # ---- one run -------------------------------------------------------------------------------------
 class RunView:
-    """One run opened for browsing; each view is computed once, on first use."""
+    """One run opened for browsing; each view is computed once, on first use (thread-safe: the
+    TUI asks from several threads, and a million-request analysis must not run twice at once).
 
-    def __init__(self, analysis: RunAnalysis):
-        self.analysis = analysis
+    ``overview``: what the overview shows: from Polars aggregates when opened fast (``scan``,
+    request_scan.RequestScan; ``findings`` None), else the full ``summary``. ``summary`` (the
+    single-run report, with findings) needs ``analysis``: loaded on first use."""
+
+    def __init__(self, analysis: RunAnalysis | None = None, *, scan: Any = None,
+                 overview: dict[str, Any] | None = None, path: str | Path | None = None):
+        self._analysis = analysis
+        self.scan = scan
+        self.path = str(path) if path is not None else analysis.run.path
+        self._overview = overview
+        # one lock per thing computed: the request table's pages need not wait for the findings
+        self._locks = {k: threading.Lock() for k in ("analysis", "summary", "pages")}
+        self._summary: dict[str, Any] | None = None
 
     @property
     def name(self) -> str:
-        return self.analysis.name
+        if self._analysis is not None:
+            return self._analysis.name
+        return self.scan.name if self.scan is not None else Path(self.path).name
 
-    @cached_property
+    @property
+    def analysis(self) -> RunAnalysis:
+        with self._locks["analysis"]:
+            if self._analysis is None:
+                self._analysis = RunAnalysis(load_run(self.path))
+            return self._analysis
+
+    @property
+    def has_summary(self) -> bool:
+        return self._summary is not None
+
+    @property
     def summary(self) -> dict[str, Any]:
         """report.summarize: headline figures, time shares, findings, slowest requests."""
-        return summarize(self.analysis)
+        with self._locks["summary"]:
+            if self._summary is None:
+                self._summary = summarize(self.analysis)
+            return self._summary
+
+    @property
+    def overview(self) -> dict[str, Any]:
+        return self._overview if self._overview is not None else self.summary
 
     @cached_property
     def requests(self) -> pd.DataFrame:
         return request_table(self.analysis)
+
+    def pages(self):
+        """request_scan.RequestPages of the request table: from the scan (Polars) when opened
+        fast, else from ``requests``. A new one per call (each keeps its own sort and filter)."""
+        from layerscope.diagnose.request_scan import RequestPages
+
+        with self._locks["pages"]:
+            if "_pages_table" not in self.__dict__:
+                self._pages_table = self.scan.pages().table if self.scan is not None else \
+                    RequestPages(self.requests).table
+        return RequestPages(self._pages_table)
 
     @cached_property
     def steps(self) -> pd.DataFrame:
@@ -74,8 +120,18 @@ class RunView:
         return request_detail(self.analysis, request_id)
 
 
-def open_run(path: str | Path) -> RunView:
-    """Load the bundle at ``path`` and compute its report (what an overview shows). Raises RunError."""
+def open_run(path: str | Path, fast: bool = True) -> RunView:
+    """Open the bundle at ``path`` with what an overview shows. ``fast``: from Polars aggregates over
+    the requests' files when the bundle stores its per-request components (request_scan), the
+    analysis and its findings left for later (``RunView.summary``); else (or for a bundle without
+    them) load it and compute the full report now. Raises RunError."""
+    if fast:
+        from layerscope.diagnose.request_scan import RequestScan
+
+        scan = RequestScan.open(path)
+        overview = scan.overview()
+        if overview is not None:
+            return RunView(scan=scan, overview=overview, path=path)
     view = RunView(RunAnalysis(load_run(str(path))))
     view.summary  # noqa: B018 - computed here, in the caller's (worker) thread
     return view
@@ -105,43 +161,62 @@ _FILTER_FIELDS = {
     "preempt": "num_preemptions", "replica": "replica", "status": "status", "layer": "dominant_layer",
     "id": "request_id", "prompt": "num_prompt_tokens", "output": "num_output_tokens",
 }
+_TEXT_FIELDS = ("status", "dominant_layer", "request_id")
 _TERM = re.compile(r"^(\w+)\s*(>=|<=|!=|=|>|<|:)\s*(.+)$")
 _UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
 def filter_requests(df: pd.DataFrame, query: str) -> pd.DataFrame:
-    """Rows matching every space-separated term of ``query`` (order kept).
+    """Rows of ``df`` (a request table) matching every term of ``query`` (``filter_expr``), order kept.
+    Raises FilterError on an unknown field or a bad number."""
+    import polars as pl
+
+    if not query.split():
+        return df.reset_index(drop=True)
+    cols = [c for c in dict.fromkeys(_FILTER_FIELDS.values()) if c in df]
+    mask = pl.from_pandas(df[cols], nan_to_null=True).select(filter_expr(query)).to_series().to_numpy()
+    return df[mask.astype(bool)].reset_index(drop=True)
+
+
+def filter_expr(query: str):
+    """A Polars boolean expression over a request table: true where the row matches every
+    space-separated term of ``query`` (an empty query matches all rows).
 
     A term is ``FIELD OP VALUE`` (fields: ttft tpot e2e queue preemptions replica status layer
     id prompt output; ops: > >= < <= = != and ``:`` for "contains"; times take a unit, ms/us/s,
     seconds by default: ``e2e>1.5s``, ``ttft>=200ms``, ``replica=1``, ``status:reject``), or
-    bare text, matched case-insensitively against request id, status and dominant layer.
-    Raises FilterError on an unknown field or a bad number.
+    bare text, matched case-insensitively against request id, status and dominant layer. A
+    missing value matches only ``!=``. Raises FilterError on an unknown field or a bad number.
     """
-    mask = np.ones(len(df), bool)
+    import polars as pl
+
+    def text(column: str):
+        return pl.col(column).cast(pl.String).fill_null("").str.to_lowercase()
+
+    expr = pl.lit(True)
     for term in query.split():
         m = _TERM.match(term)
         if not m:
-            text = (df["request_id"].astype(str) + " " + df["status"].astype(str) + " "
-                    + df["dominant_layer"].astype(str))
-            mask &= text.str.contains(term, case=False, regex=False).to_numpy()
+            joined = pl.concat_str([text("request_id"), text("status"), text("dominant_layer")], separator=" ")
+            expr = expr & joined.str.contains(term.lower(), literal=True)
             continue
         field, op, value = m.groups()
         column = _FILTER_FIELDS.get(field.lower())
         if column is None:
             raise FilterError(f"unknown field {field!r} (fields: {', '.join(sorted(_FILTER_FIELDS))})")
-        col = df[column]
         if op == ":":
-            mask &= col.astype(str).str.contains(value, case=False, regex=False).to_numpy()
-        elif column in ("status", "dominant_layer", "request_id") and op in ("=", "!="):
-            eq = (col.astype(str).str.lower() == value.lower()).to_numpy()
-            mask &= eq if op == "=" else ~eq
+            expr = expr & text(column).str.contains(value.lower(), literal=True)
+        elif column in _TEXT_FIELDS:
+            if op not in ("=", "!="):
+                raise FilterError(f"{field} is text: it takes = != or : (contains), not {op}")
+            eq = text(column) == value.lower()
+            expr = expr & (eq if op == "=" else ~eq)
         else:
             x = _number(value, column.endswith("_s"))
-            v = col.to_numpy(np.float64)
-            with np.errstate(invalid="ignore"):
-                mask &= {">": v > x, ">=": v >= x, "<": v < x, "<=": v <= x, "=": v == x, "!=": v != x}[op]
-    return df[mask].reset_index(drop=True)
+            v = pl.col(column).cast(pl.Float64)
+            cmp = {">": v > x, ">=": v >= x, "<": v < x, "<=": v <= x, "=": v == x, "!=": v != x}[op]
+            expr = expr & (cmp.fill_null(op == "!="))
+    return expr
 
 
 def _number(text: str, is_time: bool) -> float:

@@ -1,5 +1,6 @@
 """CompareScreen: two runs, baseline and candidate: the diagnosis (diagnose.compare) above,
-the two request tables (views.request_table) side by side below; enter opens a request."""
+the two request tables (views.RunView.pages: the slowest PAGE_ROWS of each) side by side below;
+enter opens a request."""
 
 from __future__ import annotations
 
@@ -64,16 +65,18 @@ class CompareScreen(Screen):
     @work(thread=True, exclusive=True, group="compare-tables")
     def _load(self, views) -> None:
         for i, view in enumerate(views):
-            self.post_message(RequestsReady(i, view.requests))
+            self.post_message(RequestsReady(i, view.pages(), view))
 
     def on_requests_ready(self, message: RequestsReady) -> None:
         table = self.query_one(f"#side-{message.index}", RequestTable)
+        pages = message.pages
+        pages.page_rows = PAGE_ROWS
         table.border_title = (f"{SIDES[message.index]}: {self.app.views[message.index].name}  ·  "
-                              f"{len(message.table):,} requests")
+                              f"{len(pages):,} requests")
         table.border_subtitle = "enter: detail  tab: other run"
-        self.tables[message.index] = message.table
-        table.show(message.table.iloc[:PAGE_ROWS])
-        if len(message.table) > PAGE_ROWS:
+        self.tables[message.index] = pages
+        table.show(pages.page(0))
+        if len(pages) > PAGE_ROWS:
             table.border_title += f" (the slowest {PAGE_ROWS:,})"
         if message.index == 1:
             table.focus()
@@ -85,7 +88,7 @@ class CompareScreen(Screen):
         from layerscope.diagnose.tui.detail_screen import DetailScreen
 
         index = int(focused.id.split("-")[1])
-        order = self.tables[index]["request_id"].tolist()
+        order = self.tables[index].order()
         self.app.push_screen(DetailScreen(index, focused.highlighted_request, order))
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

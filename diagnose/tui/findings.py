@@ -19,6 +19,10 @@ class Findings(Static):
     def show(self, findings: list[dict[str, Any]], top: int = 5, evidence: int = 3) -> None:
         self.update(findings_text(findings, top, evidence))
 
+    def pending(self, text: str) -> None:
+        """Say why no findings are shown yet (they come from the full analysis)."""
+        self.update(Text(text, style="dim"))
+
 
 def findings_text(findings: list[dict[str, Any]], top: int = 5, evidence: int = 3) -> Text | Table:
     """One row per finding: a bullet, then its message, layer, severity and evidence (wrapped

@@ -21,6 +21,31 @@ class RunOpened(Message):
         self.elapsed_s = elapsed_s  # since the app started opening it
 
 
+class SummaryReady(Message):
+    """The full single-run report (report.summarize, with findings) of ``view`` is computed, or
+    failed (``error``). ``view`` may be older than the run's current one (--follow)."""
+
+    def __init__(self, index: int, view: Any, error: str | None = None, opening: int = 0) -> None:
+        super().__init__()
+        self.opening = opening
+        self.index = index
+        self.view = view
+        self.error = error
+
+
+class LiveStatus(Message):
+    """--follow: what the bundle's manifest says now (parts written, complete, when the last came)."""
+
+    def __init__(self, parts: int | None, complete: bool, last_part_time: str | None, opening: int = 0,
+                 key: tuple | None = None) -> None:
+        super().__init__()
+        self.opening = opening
+        self.key = key  # (parts, complete) of the view just opened with it; None: nothing opened
+        self.parts = parts  # -1: the manifest could not be read; None: not a rolling bundle
+        self.complete = complete
+        self.last_part_time = last_part_time  # ISO, UTC
+
+
 class RunFailed(Message):
     """A run could not be opened (missing, corrupt, unknown schema) or analysed."""
 
@@ -42,12 +67,13 @@ class ComparisonReady(Message):
 
 
 class RequestsReady(Message):
-    """The request table (views.request_table) of one run."""
+    """The request table of one run, paged (request_scan.RequestPages, from views.RunView.pages)."""
 
-    def __init__(self, index: int, table: "pd.DataFrame") -> None:
+    def __init__(self, index: int, pages: Any, view: Any = None) -> None:
         super().__init__()
         self.index = index
-        self.table = table
+        self.pages = pages
+        self.view = view  # the RunView it came from
 
 
 class DetailReady(Message):
@@ -61,9 +87,11 @@ class DetailReady(Message):
 
 
 class StepsReady(Message):
-    """The step series (views.step_series) of one run and its stats (views.series_stats)."""
+    """The step series (views.step_series) of one run, its stats (views.series_stats) and step
+    time by batch composition (the report's step_composition)."""
 
-    def __init__(self, series: "pd.DataFrame", stats: "pd.DataFrame") -> None:
+    def __init__(self, series: "pd.DataFrame", stats: "pd.DataFrame", composition: list | None = None) -> None:
         super().__init__()
         self.series = series
         self.stats = stats
+        self.composition = composition or []

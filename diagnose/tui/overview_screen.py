@@ -1,5 +1,7 @@
 """OverviewScreen: one run's headline figures, where time goes per layer, top findings and
-its slowest requests (everything from report.summarize)."""
+its slowest requests: views.RunView.overview (Polars aggregates, or report.summarize), the
+findings from report.summarize once the full analysis is done (SummaryReady: they may come
+seconds later for a big bundle, and with --follow from an older part than the figures)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class OverviewScreen(Screen):
         super().__init__(classes="run-screen")
         self.run_index = run_index
         self.view = None
+        self._findings_of = None  # the RunView whose findings are shown
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -62,7 +65,7 @@ class OverviewScreen(Screen):
         if index != self.run_index:
             return
         self.view = view
-        s = view.summary
+        s = view.overview
         self.sub_title = s["run"] + (f"  ·  {s['workload']}" if s.get("workload") not in (None, "", s["run"]) else "")
         self.query_one("#headline", Headline).show(s)
         shares = [r for r in s["time_shares"] if r["share"] is not None and abs(r["share"]) >= 0.0005]
@@ -70,7 +73,10 @@ class OverviewScreen(Screen):
         self.query_one("#shares", Bars).set_rows([
             BarRow(r["layer"], r["share"], r["total_s"], mark="← largest" if r["layer"] == top else "")
             for r in shares])
-        self.query_one("#findings", Findings).show(s["findings"])
+        if view.has_summary:
+            self.summary_ready(index, view)
+        elif self._findings_of is None:
+            self.query_one("#findings", Findings).pending("computing findings (the full analysis of the run)…")
         slowest = self.query_one("#slowest", DataTable)
         slowest.clear()
         for r in s["slowest"]:
@@ -83,6 +89,19 @@ class OverviewScreen(Screen):
         self.query_one("#loading").display = False
         self.query_one("#overview").display = True
         slowest.focus()
+
+    def summary_ready(self, index: int, view, error: str | None = None) -> None:
+        """The findings of ``view`` (the current run view, or with --follow an older one)."""
+        if index != self.run_index:
+            return
+        findings = self.query_one("#findings", Findings)
+        if error:
+            findings.pending(f"findings: the analysis failed: {error}")
+            return
+        self._findings_of = view
+        findings.show(view.summary["findings"])
+        n, now = view.summary["requests"], (self.view.overview["requests"] if self.view is not None else None)
+        findings.border_title = "findings" if now in (None, n) else f"findings (as of {n:,} requests)"
 
     def action_requests(self) -> None:
         if self.view is not None:
@@ -106,7 +125,7 @@ class OverviewScreen(Screen):
         from layerscope.diagnose.tui.detail_screen import DetailScreen
 
         request_id = slowest.coordinate_to_cell_key(slowest.cursor_coordinate).row_key.value
-        order = [r["request_id"] for r in self.view.summary["slowest"]]
+        order = [r["request_id"] for r in self.view.overview["slowest"]]
         self.app.push_screen(DetailScreen(self.run_index, request_id, order))
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

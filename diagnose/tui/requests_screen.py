@@ -1,9 +1,11 @@
 """RequestsScreen: every request of one run, sortable and filterable, slowest first.
 
-The table comes from views.request_table (computed in a worker); sorting and filtering are
-views.sort_requests / views.filter_requests over all requests, so the screen only keeps which
-sort, filter and page the user chose. The DataTable holds one page of PAGE_ROWS rows at a
-time: it measures every row it is given, which for 10,000 rows takes seconds.
+The table comes from views.RunView.pages (request_scan.RequestPages, built in a worker: Polars
+over the bundle's request files); sorting and filtering (views.filter_expr) are done by Polars
+over all requests, so the screen only keeps which sort, filter and page the user chose. The
+DataTable holds one page of PAGE_ROWS rows at a time: it measures every row it is given, which
+for 10,000 rows takes seconds. With --follow a new part of the bundle reloads the table and
+keeps the sort, the filter and the page.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from textual.widgets import DataTable, Footer, Header, Input, LoadingIndicator, 
 
 from layerscope.diagnose.tui.messages import RequestsReady
 from layerscope.diagnose.tui.request_table import COLUMNS, SORTABLE, RequestTable
-from layerscope.diagnose.views import FilterError, filter_requests, sort_requests
+from layerscope.diagnose.views import FilterError
 
 HEADERS = {c: h for c, h, _ in COLUMNS}
 PAGE_ROWS = 1000
@@ -38,8 +40,7 @@ class RequestsScreen(Screen):
     def __init__(self, run_index: int) -> None:
         super().__init__(classes="run-screen")
         self.run_index = run_index
-        self.table = None  # views.request_table of the run
-        self.shown = None  # what the table shows: sorted and filtered
+        self.pages = None  # request_scan.RequestPages of the run: the selection shown
         self.sort: tuple[str, bool] = ("e2e_s", True)
         self.query_text = ""
         self.filter_error: str | None = None
@@ -65,48 +66,58 @@ class RequestsScreen(Screen):
 
     @work(thread=True, exclusive=True, group="requests")
     def _load(self, view) -> None:
-        self.post_message(RequestsReady(self.run_index, view.requests))
+        self.post_message(RequestsReady(self.run_index, view.pages(), view))
+
+    def run_opened(self, index: int, view) -> None:
+        """--follow: the run has new parts; reload its table (sort, filter and page kept)."""
+        if index == self.run_index and self.pages is not None:
+            self._load(view)
 
     def on_requests_ready(self, message: RequestsReady) -> None:
-        self.table = message.table
+        if message.view is not None and message.view is not self.app.views[self.run_index]:
+            return  # an older view of a run that has grown since (--follow)
+        first = self.pages is None
+        self.pages = message.pages
+        self.pages.page_rows = PAGE_ROWS
         self.query_one("#loading").display = False
         table = self.query_one("#requests", RequestTable)
         table.display = True
-        self._refresh_rows()
-        table.focus()
+        self._refresh_rows(keep_page=not first)
+        if first:
+            table.focus()
 
-    def _refresh_rows(self) -> None:
-        if self.table is None:
+    def _refresh_rows(self, keep_page: bool = False) -> None:
+        if self.pages is None:
             return
         try:
-            rows = filter_requests(self.table, self.query_text)
+            self.pages.select(self.sort, self.query_text)
             self.filter_error = None
         except FilterError as e:
             self.filter_error = str(e)
-            rows = self.shown if self.shown is not None else self.table
-        else:
-            rows = sort_requests(rows, *self.sort)
-        self.shown = rows
-        self.page = 0
-        self._show_page()
+        self.page = min(self.page, self.num_pages - 1) if keep_page else 0
+        self._show_page(keep_cursor=keep_page)
 
-    def _show_page(self) -> None:
-        start = self.page * PAGE_ROWS
-        self.query_one("#requests", RequestTable).show(self.shown.iloc[start:start + PAGE_ROWS], self.sort)
+    def _show_page(self, keep_cursor: bool = False) -> None:
+        table = self.query_one("#requests", RequestTable)
+        cursor = table.cursor_row
+        table.show(self.pages.page(self.page), self.sort)
+        if keep_cursor and 0 < cursor < table.row_count:
+            table.move_cursor(row=cursor)
         self._status()
         self.refresh_bindings()
 
     @property
     def num_pages(self) -> int:
-        return max(1, -(-len(self.shown) // PAGE_ROWS)) if self.shown is not None else 1
+        return self.pages.num_pages if self.pages is not None else 1
 
     def _status(self) -> None:
         col, desc = self.sort
-        text = (f"{len(self.shown):,} of {len(self.table):,} requests  ·  sorted by {HEADERS[col]} "
+        shown = self.pages.num_shown
+        text = (f"{shown:,} of {len(self.pages):,} requests  ·  sorted by {HEADERS[col]} "
                 f"{'▼ (largest first)' if desc else '▲ (smallest first)'}")
         if self.num_pages > 1:
             start = self.page * PAGE_ROWS
-            text += (f"  ·  rows {start + 1:,}-{min(start + PAGE_ROWS, len(self.shown)):,} "
+            text += (f"  ·  rows {start + 1:,}-{min(start + PAGE_ROWS, shown):,} "
                      f"(page {self.page + 1} of {self.num_pages}: ] next, [ previous)")
         if self.query_text:
             text += f"  ·  filter: {self.query_text}"
@@ -138,7 +149,7 @@ class RequestsScreen(Screen):
             return
         from layerscope.diagnose.tui.detail_screen import DetailScreen
 
-        order = self.shown["request_id"].tolist()
+        order = self.pages.order()
         self.app.push_screen(DetailScreen(self.run_index, request_id, order))
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

@@ -54,7 +54,8 @@ class StepsScreen(Screen):
     @work(thread=True, exclusive=True, group="steps")
     def _load(self, view) -> None:
         series = view.steps
-        self.post_message(StepsReady(series, series_stats(series, tuple(c for c, _, _ in CHARTS))))
+        self.post_message(StepsReady(series, series_stats(series, tuple(c for c, _, _ in CHARTS)),
+                                     view.summary["step_composition"]))
 
     def on_steps_ready(self, message: StepsReady) -> None:
         series, stats = message.series, message.stats.set_index("name")
@@ -69,18 +70,18 @@ class StepsScreen(Screen):
             data = np.nan_to_num(series[col].to_numpy(np.float64)).tolist()
             self.query_one(f"#spark-{col}", Sparkline).data = data
             self.query_one(f"#axis-{col}", Static).update(Text(f"{span}, max per column", style="dim"))
-        self._composition()
+        self._composition(message.composition)
         self.query_one("#loading").display = False
         self.query_one("#steps-charts").display = True
 
-    def _composition(self) -> None:
+    def _composition(self, rows: list) -> None:
         table = self.query_one("#composition", DataTable)
         table.border_title = "step time by batch composition"
         table.clear(columns=True)
         for label in ("kind", "steps", "step time", "schedule+prepare", "forward", "output", "batch tokens",
                       "batch seqs"):
             table.add_column(label)
-        for r in self.app.views[self.run_index].summary["step_composition"]:
+        for r in rows:
             table.add_row(r["kind"], *[Text(v, justify="right") for v in (
                 fmt_count(r["num_steps"]), fmt_s(r["step_s_mean"]), fmt_s(r["schedule_s_mean"]),
                 fmt_s(r["forward_s_mean"]), fmt_s(r["output_s_mean"]), f"{r['num_batched_tokens_mean']:,.1f}",

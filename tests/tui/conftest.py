@@ -33,15 +33,19 @@ def make_app(monkeypatch):
     return make
 
 
-async def settle(pilot, rounds: int = 200) -> None:
-    """Until no worker runs and the messages they posted have been handled."""
+async def settle(pilot, rounds: int = 400) -> None:
+    """Until no worker runs, no run's full report is being computed (``app.summarizing``: a daemon
+    thread, not a worker) and the messages they posted have been handled."""
+    import asyncio
+
     app = pilot.app
     for _ in range(rounds):
         await app.workers.wait_for_complete()
         await pilot.pause()
-        if not any(w.is_running for w in app.workers):
+        if not any(w.is_running for w in app.workers) and not app.summarizing:
             await pilot.pause()
             return
+        await asyncio.sleep(0.02)
     raise TimeoutError("workers still running")
 
 

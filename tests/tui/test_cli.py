@@ -51,3 +51,10 @@ print("\\n".join(sys.modules))
     mods = set(out.stdout.split())
     assert "layerscope.diagnose.views" in mods
     assert not {m for m in mods if m == "torch" or m.startswith(("torch.", "layerscope.engine"))}
+
+
+def test_follow_takes_one_run_and_a_positive_interval(capsys):
+    assert main(["tui", "a", "b", "--follow"]) == 2
+    assert "--follow takes one run" in capsys.readouterr().err
+    assert main(["tui", "a", "--follow", "--interval", "0"]) == 2
+    assert "--interval must be > 0 seconds, got 0.0" in capsys.readouterr().err
