@@ -182,13 +182,14 @@ class ProbeRecorder(Recorder):
         return prof.step_context(step_id) if prof is not None else super().step_context(step_id)
 
     def on_request_events(self, request, events) -> None:
-        if not self.enabled:
+        # the engine calls this for every request of every step, mostly with nothing new: return first.
+        # A request's first call always has events (ARRIVAL, QUEUED: add_request), which registers it.
+        if not events or not self.enabled:
             return
         st = self._live.get(request.request_id)
         if st is None:
             st = self._live[request.request_id] = _Req(request)
-        if events:
-            st.events.extend(events)
+        st.events += events
 
     def on_step(self, step: StepRecord, layer_times) -> None:
         if not self.enabled:
@@ -435,6 +436,12 @@ class ProbeRecorder(Recorder):
     def step(self, index: int) -> StepRecord:
         """The ``index``-th recorded step (0-based, in recording order)."""
         return self._steps[index - self._step_base]
+
+    def token_times_ns(self, indices: list[int]) -> list[int]:
+        """The time of the tokens sampled in the steps at ``indices`` (as ``step``): the end of each
+        step's sampling phase (monotonic ns)."""
+        steps, base = self._steps, self._step_base
+        return [s.end_ns - s.output_ns for s in map(steps.__getitem__, [i - base for i in indices])]
 
     def gateway_fields(self, request_id: str) -> dict[str, Any] | None:
         """The gateway's fields of ``request_id`` (``set_request_timestamps``), or None."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pyarrow as pa
+import pytest
 
 from layerscope.engine.config import EngineConfig
 from layerscope.engine.llm_engine import LLMEngine
@@ -76,6 +77,16 @@ def _check(engine, steps: pa.Table, requests: pa.Table, done, metrics: str) -> N
     # tokens sampled per step (the recorder's own count) = every output token, once
     assert _metric(metrics, "layerscope_generation_tokens_total") == sum(len(o.token_ids) for o in done.values())
     assert _metric(metrics, "layerscope_prompt_tokens_total") == sum(len(o.prompt_token_ids) for o in done.values())
+    # inter-token gaps: one per token after the first; they add up to (last token's time - first token's),
+    # a token's time being the end of the sampling phase of the request's last step
+    last_step = {}
+    for sid, ids, end, out_s in zip(*(steps[c].to_pylist() for c in ("step_id", "request_ids", "end_ns", "output_s"))):
+        for rid in ids:
+            last_step[rid] = end - out_s * 1e9
+    assert _metric(metrics, "layerscope_inter_token_latency_seconds_count") == sum(
+        len(o.token_ids) - 1 for o in done.values())
+    want = sum((last_step[rid] - o.first_token_ns) / 1e9 for rid, o in done.items() if len(o.token_ids) > 1)
+    assert _metric(metrics, "layerscope_inter_token_latency_seconds_sum") == pytest.approx(want, rel=1e-6)
 
 
 def test_recorded_tables_count_what_the_engine_did(tiny_model):
