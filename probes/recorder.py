@@ -11,8 +11,11 @@ windows (``profiler.py``) and a py-spy capture of the process (``pyspy.py``).
 The step loop only appends: the StepRecord object itself, the request's events, and
 one or two step indices per request per step. Rows, spans and Arrow tables are built
 in ``tables()``, off the hot path. Prometheus gets steps and finished requests in
-batches (``feed.py``: every ``metrics_every_steps`` steps, when the engine goes
-idle, and before any scrape).
+batches (``feed.py``: every ``metrics_every_steps`` steps, 256 by default, when the
+engine goes idle, before any scrape and before a drain; a serving replica pushes its
+metrics every second, which flushes too). A batch costs a fixed ~100 us of numpy and
+locking beside its per-item work: at 64 steps that fixed part was ~1% of a tiny model's
+step time.
 
 Serving across processes: the gateway process runs a recorder with
 ``replica="gateway"`` (``serving.GatewayProbeRecorder``, the engine's GatewayRecorder
@@ -79,7 +82,7 @@ class ProbeRecorder(Recorder):
         profile_max_windows: int = 4,
         pyspy: bool = True,
         pyspy_rate: int = 100,
-        metrics_every_steps: int = 64,
+        metrics_every_steps: int = 256,
     ):
         if level not in LEVELS:
             raise ValueError(f"probes level must be one of {', '.join(LEVELS)}; got {level!r}")
