@@ -11,11 +11,13 @@ One engine per preset; each repetition runs every level once, in an order rotate
 repetition, with a fresh recorder per run (nothing accumulates across runs). A level's
 overhead is paired: ``1 - level / off`` within one repetition (two runs seconds apart, so
 machine drift hits both), then the mean over repetitions with its 95% confidence interval
-(Student t) and the min..max spread. Timed: ``generate`` only. Full's py-spy start/stop and
-every level's table building (``tables()`` / the rolling parts, build_s) are outside it.
-Greedy sampling with ignore_eos: every run computes exactly the same tokens (checked).
-Last, one default run with every recorder hook timed in thread CPU time: the hooks' share
-of the step loop's CPU, free of run-to-run noise (not of the engine's own record building).
+(Student t) and the min..max spread; "best" compares the best run of a level with the best
+run of off (the least disturbed ones, when other jobs share the machine). Timed:
+``generate`` only; full's py-spy start/stop and every level's table building (``tables()``
+/ the rolling parts: build_s) are outside it. Greedy sampling with ignore_eos: every run
+computes exactly the same tokens (checked). Last, one rolling run with every recorder hook
+timed in thread CPU time: the hooks' share of the step loop's CPU, free of run-to-run noise
+(not of the engine's own record building: StepRecord, its per-request event loop).
 """
 
 from __future__ import annotations
@@ -205,17 +207,19 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
                                           for lv in levels), flush=True)
 
     print(f"{steps} engine steps per run, {num_tokens} output tokens per run; overhead = 1 - level/off within "
-          f"a rep, mean over {args.reps} reps [95% CI] (min..max)")
-    print(f"{'level':<8} {'tok/s median':>12} {'overhead (wall)':>28} {'tok/cpu-s median':>17} "
-          f"{'overhead (CPU time)':>28} {'build_s':>8}")
+          f"a rep, mean over {args.reps} reps ±95% CI (min..max); best = 1 - best level run / best off run")
+    print(f"{'level':<8} {'tok/s median':>12} {'overhead (wall)':>28} {'best':>6} {'tok/cpu-s median':>17} "
+          f"{'overhead (CPU time)':>28} {'best':>6} {'build_s':>8}")
     for level in levels:
         cells = []
         for series in (wall, cpu):
             if level == "off":
-                cells.append(f"{'-':>28}")
+                cells.append(f"{'-':>28} {'-':>6}")
                 continue
             m, h, a, b = paired_overhead(series[level], series["off"])
-            cells.append(f"{m * 100:6.2f}% ±{h * 100:5.2f} ({a * 100:5.1f}..{b * 100:4.1f})".rjust(28))
+            best = 1 - max(series[level]) / max(series["off"])
+            cells.append(f"{m * 100:6.2f}% ±{h * 100:5.2f} ({a * 100:5.1f}..{b * 100:4.1f})".rjust(28)
+                         + f" {best * 100:5.1f}%")
         print(f"{level:<8} {statistics.median(wall[level]):12.1f} {cells[0]} {statistics.median(cpu[level]):17.1f} "
               f"{cells[1]} {statistics.median(build[level]):8.3f}", flush=True)
     hooks, gen_s, steps = _hook_time(llm, prompts, params, interval, every)
