@@ -17,7 +17,7 @@ run of off (the least disturbed ones, when other jobs share the machine). Timed:
 / the rolling parts: build_s) are outside it. Greedy sampling with ignore_eos: every run
 computes exactly the same tokens (checked). Last, one rolling run with every recorder hook
 timed in thread CPU time: the hooks' share of the step loop's CPU, free of run-to-run noise
-(not of the engine's own record building: StepRecord, its per-request event loop).
+(not of the engine's own StepRecord building).
 """
 
 from __future__ import annotations

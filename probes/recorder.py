@@ -8,8 +8,8 @@ records lifecycle events, per-step rows, sampled per-layer times, collectives,
 Prometheus metrics and (at write time) one trace per request; ``full`` adds profiler
 windows (``profiler.py``) and a py-spy capture of the process (``pyspy.py``).
 
-The step loop only appends: the StepRecord object itself, the request's events, and
-one or two step indices per request per step. Rows, spans and Arrow tables are built
+The step loop only appends: the StepRecord object itself and one or two step indices
+per request per step (a request's events come when it is added and when it finishes). Rows, spans and Arrow tables are built
 in ``tables()``, off the hot path. Prometheus gets steps and finished requests in
 batches (``feed.py``: every ``metrics_every_steps`` steps, 256 by default, when the
 engine goes idle, before any scrape and before a drain; a serving replica pushes its
@@ -185,8 +185,7 @@ class ProbeRecorder(Recorder):
         return prof.step_context(step_id) if prof is not None else super().step_context(step_id)
 
     def on_request_events(self, request, events) -> None:
-        # the engine calls this for every request of every step, mostly with nothing new: return first.
-        # A request's first call always has events (ARRIVAL, QUEUED: add_request), which registers it.
+        # A request's first call has its ARRIVAL and QUEUED events (add_request), which registers it.
         if not events or not self.enabled:
             return
         st = self._live.get(request.request_id)

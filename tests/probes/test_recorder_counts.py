@@ -119,3 +119,25 @@ def test_drained_records_count_what_the_engine_did(tiny_model):
     tracer.shutdown()
     engine.shutdown()
     rec.shutdown()
+
+
+def test_observe_array_equals_observe():
+    """The feed's numpy bulk update puts every value in the bucket ``observe`` picks (bounds inclusive)."""
+    import numpy as np
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from layerscope.probes.feed import observe_array
+    from layerscope.probes.metrics import create_metrics
+
+    values = [0.0, 1e-5, 0.001, 0.0015, 0.0025, 0.3, 7.0, 1e6, 0.001, 0.005, 0.005]
+    texts = []
+    for bulk in (False, True):
+        reg = CollectorRegistry()
+        child = create_metrics(reg, "m", 0).child("layerscope_inter_token_latency_seconds")
+        if bulk:
+            observe_array(child, np.array(values))
+        else:
+            for v in values:
+                child.observe(v)
+        texts.append("\n".join(l for l in generate_latest(reg).decode().splitlines() if "_created" not in l))
+    assert texts[0] == texts[1] and 'seconds_bucket{le="0.005",model_name="m",replica="0"} 8.0' in texts[0]
