@@ -219,10 +219,8 @@ class LLMEngine:
             )
             if runner_out.collectives:
                 rec.on_collectives(runner_out.collectives)
-            for rid in itertools.chain(out.num_scheduled_tokens, out.preempted_ids):
-                req = sched.requests.get(rid)
-                if req is not None:
-                    rec.on_request_events(req, req.take_events())
+            # a request's events stay on it until it is added, aborted or released (the recorder
+            # reads them only then): no per-request call on the step
         for o in outputs:
             if o.finished:
                 self._release(sched.requests[o.request_id])

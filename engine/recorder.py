@@ -94,7 +94,8 @@ class Recorder(RunRecorder):
         return False
 
     def on_request_events(self, request: "Request", events: "list[RequestEvent]") -> None:
-        pass
+        """The request's events since the last call, in order: when it is added (ARRIVAL, QUEUED),
+        aborted, and released when finished (the rest of its log), never per step."""
 
     def on_request_finished(self, request: "Request") -> None:
         pass

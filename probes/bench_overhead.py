@@ -1,22 +1,30 @@
-"""What probes cost: the same seeded workload under probes off, default and full (and rolling).
+"""What probes cost: the same seeded workload under probes off, default, full and rolling.
 
-    python -m layerscope.probes.bench_overhead [--model DIR | --preset small] [--reps 5]
-        [--levels off,default,rolling] [--drain-every-steps 256]
+    python -m layerscope.probes.bench_overhead [--preset tiny,small | --model DIR] [--requests 480,96]
+        [--reps 6] [--levels off,default,rolling] [--drain-every-steps 256]
 
-"rolling" is default probes drained for a rolling bundle every --drain-every-steps steps,
-the drains inside the timed region (a serving replica pays them on its engine thread).
+"rolling" is default probes drained for a rolling bundle every --drain-every-steps steps, the
+drains and their pickling inside the timed region (a serving replica pays both on its engine
+process: ``drain()`` runs on its step loop, the queue pickles what it sends).
 
-One engine; each repetition runs every level once, in an order rotated per
-repetition, with a fresh recorder per run (so nothing accumulates across runs), and
-levels are compared within a repetition (the ratio of two runs seconds apart), which
-cancels most machine noise. Timed: ``generate`` only. Full's py-spy start/stop and
-every level's table building (``tables()``, reported as build_s) are outside it.
-Greedy sampling with ignore_eos: every run computes exactly the same tokens.
+One engine per preset; each repetition runs every level once, in an order rotated per
+repetition, with a fresh recorder per run (nothing accumulates across runs). A level's
+overhead is paired: ``1 - level / off`` within one repetition (two runs seconds apart, so
+machine drift hits both), then the mean over repetitions with its 95% confidence interval
+(Student t) and the min..max spread; "best" compares the best run of a level with the best
+run of off (the least disturbed ones, when other jobs share the machine). Timed:
+``generate`` only; full's py-spy start/stop and every level's table building (``tables()``
+/ the rolling parts: build_s) are outside it. Greedy sampling with ignore_eos: every run
+computes exactly the same tokens (checked). Last, one rolling run with every recorder hook
+timed in thread CPU time: the hooks' share of the step loop's CPU, free of run-to-run noise
+(not of the engine's own StepRecord building).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import pickle
 import random
 import statistics
 import sys
@@ -25,6 +33,22 @@ import time
 from pathlib import Path
 
 LEVELS = ("off", "default", "full", "rolling")  # rolling: default + drain() every --drain-every-steps steps
+# two-sided 95% Student t quantiles by degrees of freedom (no scipy here)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def _t95(df: int) -> float:
+    return _T95[max(k for k in _T95 if k <= df)] if df < 30 else 1.96 + 2.4 / df
+
+
+def paired_overhead(level: list[float], off: list[float]) -> tuple[float, float, float, float]:
+    """Overhead of ``level`` against ``off`` from paired throughputs (same repetitions):
+    (mean, 95% CI half-width, min, max), as fractions (0.01 = 1% fewer tokens/s)."""
+    costs = [1 - t / o for t, o in zip(level, off)]
+    mean = statistics.fmean(costs)
+    half = _t95(len(costs) - 1) * statistics.stdev(costs) / math.sqrt(len(costs)) if len(costs) > 1 else math.nan
+    return mean, half, min(costs), max(costs)
 
 
 def _workload(n: int, vocab: int, seed: int, min_len: int, max_len: int) -> list[list[int]]:
@@ -33,12 +57,8 @@ def _workload(n: int, vocab: int, seed: int, min_len: int, max_len: int) -> list
 
 
 def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
-         drain_every: int = 256) -> tuple[float, float, float, int]:
-    """(generate wall seconds, generate CPU seconds, table-building seconds, engine steps) of one run.
-
-    "rolling": default probes whose recorder is drained every ``drain_every`` steps inside the
-    timed region (what a serving replica's engine thread pays for the rolling bundle); the
-    bundle parts are written from the drains after it (another process does that when serving)."""
+         drain_every: int = 256) -> tuple[float, float, float, int, list]:
+    """(generate wall s, generate CPU s, table-building s, engine steps, output token ids) of one run."""
     from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
 
@@ -53,7 +73,7 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
         def on_step_draining(step, layer_times):
             on_step(step, layer_times)
             if step.step_id % drain_every == 0:
-                drains.append(rec.drain())
+                drains.append(pickle.dumps(rec.drain(), protocol=pickle.HIGHEST_PROTOCOL))
 
         rec.on_step = on_step_draining
     engine = llm.engine
@@ -63,7 +83,7 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
         rec.start()
     s0 = engine.scheduler.step_id
     t0, c0 = time.perf_counter(), time.process_time()
-    llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params)
     gen_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     steps = engine.scheduler.step_id - s0
     build_s = 0.0
@@ -73,10 +93,10 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
         if level == "rolling":
             from layerscope.probes.rolling import RollingBundleWriter
 
-            drains.append(rec.drain())
+            drains.append(pickle.dumps(rec.drain(), protocol=pickle.HIGHEST_PROTOCOL))
             writer = RollingBundleWriter(trace_dir / f"rolling-{time.time_ns()}", probes="default")
             for d in drains:
-                writer.add(None, [d])
+                writer.add(None, [pickle.loads(d)])  # our own bytes, made just above
             writer.close()
         else:
             rec.tables()
@@ -84,18 +104,20 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
         build_s = time.perf_counter() - t1
         rec.shutdown()
     engine.recorder = Recorder()
-    return gen_s, cpu_s, build_s, steps
+    return gen_s, cpu_s, build_s, steps, [o.token_ids for o in outputs]
 
 
 _HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", "on_collectives",
-          "on_request_finished")
+          "on_request_finished", "drain")
 
 
-def _hook_time(llm, prompts, params, interval: int) -> tuple[dict[str, float], float, int]:
-    """One default-level run with every recorder hook timed: (CPU seconds per hook, generate CPU seconds, steps).
+def _hook_time(llm, prompts, params, interval: int, drain_every: int) -> tuple[dict[str, float], float, int]:
+    """One rolling run (default probes, drained and pickled every ``drain_every`` steps) with every
+    recorder hook timed: (CPU seconds per hook, generate CPU seconds, steps).
 
     A direct measure of what the step loop pays the recorder, free of run-to-run noise
     (it leaves out the engine-side cost of building StepRecords and the sampled layer timings)."""
+    from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
 
     rec = ProbeRecorder("default", model_name="bench", layer_timing_interval=interval)
@@ -120,7 +142,17 @@ def _hook_time(llm, prompts, params, interval: int) -> tuple[dict[str, float], f
     per_call = spent["on_collectives"] / calls["on_collectives"]
     spent["on_collectives"] = calls["on_collectives"] = 0
     for name in _HOOKS:
-        setattr(rec, name, wrap(getattr(rec, name), name))
+        if name != "drain":
+            setattr(rec, name, wrap(getattr(rec, name), name))
+    timed_step = rec.on_step
+    timed_drain = wrap(lambda: pickle.dumps(rec.drain(), protocol=pickle.HIGHEST_PROTOCOL), "drain")
+
+    def on_step_draining(step, layer_times):
+        timed_step(step, layer_times)
+        if step.step_id % drain_every == 0:
+            timed_drain()
+
+    rec.on_step = on_step_draining
     engine = llm.engine
     engine.recorder = rec
     rec.configure(llm.config, engine.resolved)
@@ -131,18 +163,80 @@ def _hook_time(llm, prompts, params, interval: int) -> tuple[dict[str, float], f
     gen_s = time.thread_time() - t0
     rec.stop()
     rec.shutdown()
-    from layerscope.engine.recorder import Recorder
-
     engine.recorder = Recorder()
     return ({k: max(v - calls[k] * per_call, 0) / 1e9 for k, v in spent.items()}, gen_s - sum(calls.values()) * per_call / 1e9,
             engine.scheduler.step_id - s0)
 
 
+def bench_model(model: str, label: str, args, num_requests: int, levels: list[str], tmp: Path) -> None:
+    """Run every level ``args.reps`` times on ``model`` (interleaved) and print the figures."""
+    from layerscope.engine.llm import LLM
+    from layerscope.engine.sampling_params import SamplingParams
+
+    llm = LLM(model=model, num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
+              layer_timing_interval=args.layer_timing_interval)
+    lo, hi = (int(x) for x in args.prompt_len.split(":"))
+    prompts = _workload(num_requests, llm.engine.spec.vocab_size, args.seed, lo, hi)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    num_tokens = num_requests * args.max_tokens
+    interval, every = args.layer_timing_interval, args.drain_every_steps
+    print(f"\n== {label}: {model} ({llm.engine.resolved.num_parameters / 1e6:.1f}M params, "
+          f"{llm.engine.resolved.dtype}, {llm.engine.resolved.device}), {num_requests} requests x {args.max_tokens} "
+          f"output tokens, prompts {lo}-{hi} tokens, max_num_seqs {args.max_num_seqs}, {args.reps} reps, "
+          f"threads {args.num_threads}, layer timing every {interval} steps, rolling drain every {every} steps",
+          flush=True)
+    for level in levels:  # warm-up: allocator, kineto, caches
+        _run(llm, level, prompts[: max(4, num_requests // 8)], params, tmp, interval, every)
+
+    wall: dict[str, list[float]] = {lv: [] for lv in levels}
+    cpu: dict[str, list[float]] = {lv: [] for lv in levels}
+    build: dict[str, list[float]] = {lv: [] for lv in levels}
+    steps, reference = 0, None
+    for rep in range(args.reps):
+        order = levels[rep % len(levels):] + levels[: rep % len(levels)]
+        for level in order:
+            gen_s, cpu_s, build_s, steps, tokens = _run(llm, level, prompts, params, tmp, interval, every)
+            if reference is None:
+                reference = tokens
+            elif tokens != reference:
+                raise RuntimeError(f"{label}: level {level} computed other tokens than the first run (not greedy?)")
+            wall[level].append(num_tokens / gen_s)
+            cpu[level].append(num_tokens / cpu_s)
+            build[level].append(build_s)
+        print(f"rep {rep}: " + "  ".join(f"{lv} {wall[lv][-1]:7.1f} tok/s ({cpu[lv][-1]:7.1f}/cpu-s)"
+                                          for lv in levels), flush=True)
+
+    print(f"{steps} engine steps per run, {num_tokens} output tokens per run; overhead = 1 - level/off within "
+          f"a rep, mean over {args.reps} reps ±95% CI (min..max); best = 1 - best level run / best off run")
+    print(f"{'level':<8} {'tok/s median':>12} {'overhead (wall)':>28} {'best':>6} {'tok/cpu-s median':>17} "
+          f"{'overhead (CPU time)':>28} {'best':>6} {'build_s':>8}")
+    for level in levels:
+        cells = []
+        for series in (wall, cpu):
+            if level == "off":
+                cells.append(f"{'-':>28} {'-':>6}")
+                continue
+            m, h, a, b = paired_overhead(series[level], series["off"])
+            best = 1 - max(series[level]) / max(series["off"])
+            cells.append(f"{m * 100:6.2f}% ±{h * 100:5.2f} ({a * 100:5.1f}..{b * 100:4.1f})".rjust(28)
+                         + f" {best * 100:5.1f}%")
+        print(f"{level:<8} {statistics.median(wall[level]):12.1f} {cells[0]} {statistics.median(cpu[level]):17.1f} "
+              f"{cells[1]} {statistics.median(build[level]):8.3f}", flush=True)
+    hooks, gen_s, steps = _hook_time(llm, prompts, params, interval, every)
+    total = sum(hooks.values())
+    print(f"rolling, hooks timed (thread CPU time): {total * 1e6 / steps:.1f} us per step in recorder hooks "
+          f"(drain + pickle included) = {total / gen_s * 100:.2f}% of generate CPU time "
+          f"({gen_s * 1e3 / steps:.2f} ms per step); per step: "
+          + ", ".join(f"{k} {v * 1e6 / steps:.1f} us" for k, v in hooks.items()), flush=True)
+    llm.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="checkpoint directory (default: create --preset in a temp dir)")
-    ap.add_argument("--preset", default="small", help="model preset when --model is not given (tiny, small)")
-    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--model", help="checkpoint directory (default: create each --preset in a temp dir)")
+    ap.add_argument("--preset", default="small", help="model preset(s) when --model is not given: tiny, small or "
+                    "a comma list (tiny,small), benched one after the other")
+    ap.add_argument("--requests", default="48", help="requests per run; a comma list: one per preset")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", default="16:128", help="MIN:MAX prompt tokens")
     ap.add_argument("--reps", type=int, default=5)
@@ -157,59 +251,27 @@ def main(argv: list[str] | None = None) -> int:
     bad = [lv for lv in levels if lv not in LEVELS]
     if bad or "off" not in levels:
         ap.error(f"--levels must include off and only {', '.join(LEVELS)}")
+    presets = [None] if args.model else [p.strip() for p in args.preset.split(",") if p.strip()]
+    try:
+        requests = [int(x) for x in args.requests.split(",")]
+    except ValueError:
+        ap.error(f"--requests {args.requests!r}: expected an integer or a comma list of integers")
+    if len(requests) == 1:
+        requests *= len(presets)
+    if len(requests) != len(presets):
+        ap.error(f"--requests has {len(requests)} values for {len(presets)} presets ({args.preset})")
 
-    from layerscope.engine.llm import LLM
-    from layerscope.engine.sampling_params import SamplingParams
+    from layerscope.engine.models.create import PRESETS, create_model
 
     tmp = Path(tempfile.mkdtemp(prefix="layerscope-bench-"))
-    model = args.model
-    if model is None:
-        from layerscope.engine.models.create import create_model
-
-        model = str(create_model(tmp / f"model-{args.preset}", preset=args.preset, seed=args.seed))
-    llm = LLM(model=model, num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
-              layer_timing_interval=args.layer_timing_interval)
-    lo, hi = (int(x) for x in args.prompt_len.split(":"))
-    prompts = _workload(args.requests, llm.engine.spec.vocab_size, args.seed, lo, hi)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    num_tokens = args.requests * args.max_tokens
-    print(f"model {model} ({llm.engine.resolved.num_parameters / 1e6:.1f}M params, {llm.engine.resolved.device}), "
-          f"{args.requests} requests x {args.max_tokens} output tokens, prompts {lo}-{hi} tokens, "
-          f"{args.reps} reps, threads {args.num_threads}")
-    for level in levels:  # warm-up: allocator, kineto, caches
-        _run(llm, level, prompts[: max(4, args.requests // 8)], params, tmp, args.layer_timing_interval,
-             args.drain_every_steps)
-
-    wall: dict[str, list[float]] = {lv: [] for lv in levels}
-    cpu: dict[str, list[float]] = {lv: [] for lv in levels}
-    build: dict[str, list[float]] = {lv: [] for lv in levels}
-    steps = 0
-    for rep in range(args.reps):
-        order = levels[rep % len(levels):] + levels[: rep % len(levels)]
-        for level in order:
-            gen_s, cpu_s, build_s, steps = _run(llm, level, prompts, params, tmp, args.layer_timing_interval,
-                                                args.drain_every_steps)
-            wall[level].append(num_tokens / gen_s)
-            cpu[level].append(num_tokens / cpu_s)
-            build[level].append(build_s)
-        print(f"rep {rep}: " + "  ".join(f"{lv} {wall[lv][-1]:7.1f} tok/s ({cpu[lv][-1]:7.1f}/cpu-s)"
-                                          for lv in levels), flush=True)
-
-    print(f"\n{steps} engine steps per run, {num_tokens} output tokens per run; "
-          "cost = 1 - median over reps of (level / off) within the rep")
-    print(f"{'level':<8} {'tok/s (median)':>15} {'cost':>8} {'tok/cpu-s (median)':>19} {'cost':>8} "
-          f"{'build_s':>8}")
-    for level in levels:
-        r_wall = statistics.median(t / o for t, o in zip(wall[level], wall["off"]))
-        r_cpu = statistics.median(t / o for t, o in zip(cpu[level], cpu["off"]))
-        print(f"{level:<8} {statistics.median(wall[level]):15.1f} {(1 - r_wall) * 100:7.2f}% "
-              f"{statistics.median(cpu[level]):19.1f} {(1 - r_cpu) * 100:7.2f}% {statistics.median(build[level]):8.3f}")
-    hooks, gen_s, steps = _hook_time(llm, prompts, params, args.layer_timing_interval)
-    total = sum(hooks.values())
-    print(f"\ndefault, hooks timed (thread CPU time): {total * 1e6 / steps:.1f} us per step in recorder hooks = "
-          f"{total / gen_s * 100:.2f}% of generate CPU time ({gen_s * 1e3 / steps:.2f} ms per step); per step: "
-          + ", ".join(f"{k} {v * 1e6 / steps:.1f} us" for k, v in hooks.items()))
-    llm.shutdown()
+    for preset, n in zip(presets, requests):
+        if preset is None:
+            bench_model(args.model, Path(args.model).name, args, n, levels, tmp)
+            continue
+        if preset not in PRESETS:
+            ap.error(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+        model = str(create_model(tmp / f"model-{preset}", preset=preset, seed=args.seed))
+        bench_model(model, preset, args, n, levels, tmp)
     return 0
 
 

@@ -4,15 +4,19 @@ The step loop touching a dozen histograms once per step (cold in cache after the
 forward pass) cost more than the rest of the recorder, so steps and finished
 requests are fed every ``every_steps`` steps, when the engine goes idle, and before
 any scrape (a collector registered first in the registry flushes). Flushes come
-from the step loop and from scrape threads, hence the lock.
+from the step loop and from scrape threads, hence the lock. A flush does one bulk
+update per histogram: step columns read with one ``attrgetter`` per step, buckets
+counted by numpy, the inter-token gaps of every finished request at once.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from layerscope.contract import FINISH_REASON, tpot_s
@@ -38,11 +42,13 @@ class RecordSource(Protocol):
 
     def recorded_since(self, num_steps: int, num_layer_samples: int) -> Recorded: ...
 
-    def step(self, index: int) -> "StepRecord": ...
-
     def gateway_fields(self, request_id: str) -> dict[str, Any] | None: ...
 
+    def token_times_ns(self, indices: list[int]) -> list[int]: ...
+
 _PHASE_NS = tuple(f"{p}_ns" for p in STEP_PHASES)  # StepRecord fields, in STEP_PHASES order
+_STEP_COLUMNS = attrgetter(*_PHASE_NS, "num_prefill_tokens", "num_decode_tokens", "num_prefix_queries",
+                           "num_prefix_hits", "num_preemptions")
 _REQUEST_HISTOGRAMS = {
     "queue": "layerscope_request_queue_time_seconds",
     "ttft": "layerscope_time_to_first_token_seconds",
@@ -52,6 +58,22 @@ _REQUEST_HISTOGRAMS = {
     "tpot": "layerscope_time_per_output_token_seconds",
     "itl": "layerscope_inter_token_latency_seconds",
 }
+
+
+def observe_array(child, values: np.ndarray) -> None:
+    """``metrics.observe_many`` for a numpy array: the same buckets (first bound >= value), counted
+    by numpy (the feed's bulk updates of step phases and inter-token gaps)."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(buckets) != len(bounds):
+        observe_many(child, values.tolist())
+        return
+    counts = np.bincount(np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left"),
+                         minlength=len(bounds))
+    total.inc(float(values.sum()))
+    for i in np.flatnonzero(counts).tolist():
+        buckets[i].inc(int(counts[i]))
 
 
 class _FlushOnCollect:
@@ -132,14 +154,16 @@ class MetricsFeed:
     def _steps(self, new: Recorded) -> None:
         steps, sampled = new.steps, new.num_sampled
         self._flushed += len(steps)
-        for child, attr in zip(self._phase, _PHASE_NS):
-            observe_many(child, [getattr(st, attr) * 1e-9 for st in steps])
-        observe_many(self._batch, [st.num_prefill_tokens + st.num_decode_tokens for st in steps])
-        queries = sum(st.num_prefix_queries for st in steps)
+        # one [steps, columns] array (attribute reads in C), then one bulk update per histogram
+        cols = np.array(list(map(_STEP_COLUMNS, steps)), dtype=np.int64).reshape(len(steps), -1)
+        for j, child in enumerate(self._phase):
+            observe_array(child, cols[:, j] * 1e-9)
+        k = len(_PHASE_NS)
+        observe_array(self._batch, (cols[:, k] + cols[:, k + 1]).astype(np.float64))
+        queries, hits, preempt = (int(v) for v in cols[:, k + 2:].sum(axis=0))
         if queries:
             self._queries.inc(queries)
-            self._hits.inc(sum(st.num_prefix_hits for st in steps))
-        preempt = sum(st.num_preemptions for st in steps)
+            self._hits.inc(hits)
         if preempt:
             self._preempt.inc(preempt)
         if sampled:
@@ -149,19 +173,25 @@ class MetricsFeed:
         self._waiting.set(last.num_waiting)
         total = last.num_kv_blocks_total
         self._kv.set((total - last.num_kv_blocks_free) / total if total else 0.0)
+        by_row: dict[str, list[float]] = {}
         for _, rows in new.layer_times:
             for name, ns in rows:
-                child = self._layer.get(name)
-                if child is None:
-                    child = self._layer[name] = self.metrics.child("layerscope_layer_forward_seconds", name)
-                child.observe(ns * 1e-9)
+                by_row.setdefault(name, []).append(ns * 1e-9)
+        for name, values in by_row.items():
+            child = self._layer.get(name)
+            if child is None:
+                child = self._layer[name] = self.metrics.child("layerscope_layer_forward_seconds", name)
+            observe_many(child, values)
         self._layers_flushed += len(new.layer_times)
 
     def _requests(self, finished: list, recorder: RecordSource) -> None:
         """Request-level metrics of finished requests, one bulk update per histogram."""
-        vals: dict[str, list[float]] = {k: [] for k in _REQUEST_HISTOGRAMS}
+        vals: dict[str, list[float]] = {k: [] for k in _REQUEST_HISTOGRAMS if k != "itl"}
         success: dict[str, int] = {}
         prompt_tokens = 0
+        itl_idx: list[int] = []  # the steps that sampled each request's 2nd..last token, requests one after another
+        itl_first: list[int] = []  # each such request's first-token time (ns)
+        itl_len: list[int] = []  # and how many of itl_idx are its
         for st in finished:
             info = st.info
             ev = _events(st.events)
@@ -188,16 +218,28 @@ class MetricsFeed:
             n = info["num_output_tokens"]
             if n >= 2:
                 vals["tpot"].append(tpot_s(e2e, ttft, n))
-                prev, itl = first, vals["itl"]
-                for i in st.sampled_idx[1:]:  # token times: the end of sampling in its step
-                    step = recorder.step(i)
-                    t = step.end_ns - step.output_ns
-                    itl.append(max(t - prev, 0) * 1e-9)
-                    prev = t
+                if len(st.sampled_idx) > 1:
+                    itl_idx += st.sampled_idx[1:]
+                    itl_first.append(first)
+                    itl_len.append(len(st.sampled_idx) - 1)
         for key, values in vals.items():
             if values:
                 observe_many(self._req[key], values)
+        if itl_idx:
+            self._itl(itl_idx, itl_first, itl_len, recorder)
         for reason, n in success.items():
             self.metrics.child("layerscope_request_success_total", reason).inc(n)
         if prompt_tokens:
             self._prompt.inc(prompt_tokens)
+
+    def _itl(self, idx: list[int], first_ns: list[int], lengths: list[int], recorder: RecordSource) -> None:
+        """Inter-token gaps of requests, from the steps that sampled their tokens: a token's time is the
+        end of its step's sampling phase, the first token's its FIRST_TOKEN event; a gap below 0 counts 0."""
+        steps = np.asarray(idx, dtype=np.int64)
+        uniq, where = np.unique(steps, return_inverse=True)
+        t = np.asarray(recorder.token_times_ns(uniq.tolist()), dtype=np.int64)[where]
+        prev = np.empty_like(t)
+        prev[1:] = t[:-1]
+        lens = np.asarray(lengths, dtype=np.int64)
+        prev[np.cumsum(lens) - lens] = first_ns  # each request's first gap runs from its first token
+        observe_array(self._req["itl"], np.maximum(t - prev, 0) * 1e-9)
