@@ -117,12 +117,17 @@ def create_app(gateway: Gateway, api_key: str | None = None,
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{gateway.model_name}`.",
                            type="not_found_error", param="model", code="model_not_found")
 
+    async def parsed(request: Request, model: type):
+        """The key checked, the body parsed as ``model`` and its model name checked (APIError)."""
+        check_key(request)
+        req = parse_body(await request.body(), model)
+        check_model(req.model)
+        return req
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         try:
-            check_key(request)
-            req = parse_body(await request.body(), TokenizeRequest)
-            check_model(req.model)
+            req = await parsed(request, TokenizeRequest)
             if (req.prompt is None) == (req.messages is None):
                 raise APIError(400, "send exactly one of `prompt` or `messages`", param="prompt")
             chat = req.chat()
@@ -136,9 +141,7 @@ def create_app(gateway: Gateway, api_key: str | None = None,
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         try:
-            check_key(request)
-            req = parse_body(await request.body(), DetokenizeRequest)
-            check_model(req.model)
+            req = await parsed(request, DetokenizeRequest)
             ids = gateway.tokenize(req.tokens)  # ids outside the vocabulary are a 400 naming it
         except APIError as e:
             return error_response(e)

@@ -9,12 +9,8 @@ every engine step so a long request is still streaming when a test looks at it.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
@@ -28,29 +24,15 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    cmd = [sys.executable, "-m", "layerscope", "serve", "--model", str(tiny_model), "--port", "0", "--api-key", KEY,
-           "--bundle", str(tmp_path_factory.mktemp("serve") / "bundle"),
-           "--set", "num_kv_blocks=128", "--set", "max_num_seqs=4", "--set", "gateway.max_concurrency=2",
-           "--set", "gateway.max_queue=2", "--set", "gateway.retry_after_s=3",
-           # the tiny model decodes a token in about a millisecond: slow the steps down so that
-           # long requests are still running when a test looks at them
-           "--fault", "engine.step_overhead_ms=2"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    ready = threading.Event()
+    from layerscope.probes.bench_soak import start_server
 
-    def drain():  # keep reading so the server never blocks on a full pipe
-        for line in proc.stdout:
-            lines.append(line)
-            if "listening on" in line:
-                ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    if not ready.wait(180):
-        proc.kill()
-        pytest.fail("serve did not start:\n" + "".join(lines))
-    url = next(line for line in lines if "listening on" in line).split()[-1]
+    proc, url, lines = start_server(
+        str(tiny_model), tmp_path_factory.mktemp("serve") / "bundle",
+        ["--api-key", KEY, "--set", "num_kv_blocks=128", "--set", "max_num_seqs=4", "--set", "gateway.max_concurrency=2",
+         "--set", "gateway.max_queue=2", "--set", "gateway.retry_after_s=3",
+         # the tiny model decodes a token in about a millisecond: slow the steps down so that
+         # long requests are still running when a test looks at them
+         "--fault", "engine.step_overhead_ms=2"])
     assert url.startswith("http://127.0.0.1:")
     yield url
     proc.send_signal(signal.SIGTERM)

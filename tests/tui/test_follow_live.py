@@ -7,13 +7,11 @@ never skips, when tmux is missing."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -24,25 +22,10 @@ NUM_LOAD = 30
 
 
 def _serve(model, bundle):
-    cmd = [sys.executable, "-m", "layerscope", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
-           "--bundle", str(bundle), "--bundle-interval", "0.5", "--set", "max_num_seqs=4"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    lines: list[str] = []
-    ready = threading.Event()
+    from layerscope.probes.bench_soak import start_server
 
-    def read():  # all of its output, so that the pipe never fills
-        for line in proc.stdout:
-            lines.append(line)
-            if "listening on" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(180):
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("serve did not start:\n" + "".join(lines))
-    return proc, next(line for line in lines if "listening on" in line).split()[-1], lines
+    return start_server(str(model), bundle, ["--host", "127.0.0.1", "--bundle-interval", "0.5", "--set",
+                                             "max_num_seqs=4"])
 
 
 def _manifest(bundle) -> dict:
