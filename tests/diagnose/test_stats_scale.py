@@ -22,21 +22,23 @@ N = 60_000  # above the default max_boot_n (50,000)
 FULL = Rule(max_boot_n=None)
 FAST = Rule()
 # tolerance of the thinned CI against the full one (both with 400 resamples): its width within
-# [0.85, 1.5] of the full width (expected ~sqrt(60/50) = 1.1 without correlation, less with), each
-# end within 0.3 full widths of the full CI's
-WIDTH_RATIO = (0.85, 1.5)
-END_TOL = 0.3
+# [0.75, 1.5] of the full width (expected ~sqrt(60/50) = 1.1 for independent requests, less with
+# correlation; measured 0.85-1.12 over 3 x 8 cases), each end within 0.25 full widths of the full
+# CI's (measured <= 0.11), its floor at least 0.8 of the full one's (measured 0.89-1.15)
+WIDTH_RATIO = (0.75, 1.5)
+END_TOL = 0.25
+FLOOR_RATIO = 0.8
 
 
-def queue(n: int, seed: int, slowdown: float = 1.0, workload_seed: int | None = None) -> np.ndarray:
+def queue(n: int, seed: int, workload_seed: int | None = None) -> np.ndarray:
     """Latencies (s) of n requests through one FIFO server, in arrival order (Lindley's recursion):
-    bursty arrivals (a mix of short and long gaps) at ~75% load, so waiting times are correlated
+    bursty arrivals (a mix of short and long gaps) at ~50% load, so waiting times are correlated
     over a burst as a serving run's are. ``workload_seed`` fixes arrivals and service demands (the
-    same workload run twice); ``seed`` draws the timing noise; ``slowdown`` scales service times."""
+    same workload run twice); ``seed`` draws the timing noise."""
     w = np.random.default_rng(seed if workload_seed is None else workload_seed)
     gaps = np.where(w.random(n) < 0.8, w.exponential(0.002, n), w.exponential(0.05, n))
-    demand = w.lognormal(math.log(0.0075), 0.5, n)
-    service = demand * slowdown * np.random.default_rng(1000 + seed).lognormal(0, 0.1, n)
+    demand = w.lognormal(math.log(0.005), 0.5, n)
+    service = demand * np.random.default_rng(1000 + seed).lognormal(0, 0.1, n)
     wait = np.zeros(n)
     for i in range(1, n):
         wait[i] = max(0.0, wait[i - 1] + service[i - 1] - gaps[i])
@@ -45,9 +47,11 @@ def queue(n: int, seed: int, slowdown: float = 1.0, workload_seed: int | None = 
 
 @pytest.fixture(scope="module")
 def runs():
+    # paired: the same workload (arrivals, demands) again, 8% slower or not; unpaired: another draw
+    # of it, whose own spread puts an 8% change (and a 20% change of the p99) at the floor, so 30% there
     return {"base": queue(N, 0, workload_seed=0), "paired_aa": queue(N, 1, workload_seed=0),
-            "paired_slow": queue(N, 2, 1.08, workload_seed=0), "other_aa": queue(N, 3, workload_seed=3),
-            "other_slow": queue(N, 4, 1.08, workload_seed=4)}
+            "paired_slow": 1.08 * queue(N, 2, workload_seed=0), "other_aa": queue(N, 3),
+            "other_slow": 1.3 * queue(N, 4)}
 
 
 CASES = [  # candidate, paired, planted slowdown
@@ -62,30 +66,35 @@ def test_thinned_bootstrap_decides_as_the_full_one(runs, cand, paired, slow, q, 
     full = compare_quantile(a, b, q, kind, FULL, paired=paired, run_se=0.0)
     fast = compare_quantile(a, b, q, kind, FAST, paired=paired, run_se=0.0)
     assert fast["delta_pct"] == full["delta_pct"] and fast["n_baseline"] == N  # figures from all requests
-    if kind == "p50":  # the planted change is found, the A/A is not (the p99's CI is too wide for 8%)
+    assert fast["ci_pct"] != full["ci_pct"]  # it did resample a thinning
+    if kind == "p50" or paired:  # the planted change is found, the A/A is not (an unpaired p99 is too wide)
         assert full["significant"] == full["worse"] == slow, full
+    # a decision within ~15% of the floor is a coin flip between any two bootstraps (two seeds of
+    # the full one too): these cases keep clear of it, so the comparison below means something
+    assert not 0.85 < abs(full["delta_pct"]) / full["floor_pct"] < 1.15, full
     assert (fast["significant"], fast["worse"]) == (full["significant"], full["worse"]), (fast, full)
     (lo, hi), (flo, fhi) = full["ci_pct"], fast["ci_pct"]
     width = hi - lo
     assert WIDTH_RATIO[0] * width <= fhi - flo <= WIDTH_RATIO[1] * width, (fast["ci_pct"], full["ci_pct"])
     assert abs(flo - lo) <= END_TOL * width and abs(fhi - hi) <= END_TOL * width, (fast["ci_pct"], full["ci_pct"])
-    assert fast["floor_pct"] >= WIDTH_RATIO[0] * full["floor_pct"]  # not less conservative beyond resampling noise
+    assert fast["floor_pct"] >= FLOOR_RATIO * full["floor_pct"]  # not less conservative beyond resampling noise
 
 
 def test_a_coarser_thinning_is_wider_not_narrower(runs):
-    """Thinned to 6,000 of 60,000: an estimator on fewer requests, so its CI is at least the full
-    one's (conservative), and the planted change is still called."""
+    """Thinned to 6,000 of 60,000: an estimator on fewer requests, so its CI is at least as wide as
+    the full one's (conservative; here about as wide, as bursts make neighbours move together) and
+    centred on the full sample's change, and the planted change is still called."""
     a, b = runs["base"], runs["paired_slow"]
     full = compare_quantile(a, b, 0.5, "p50", FULL, paired=True, run_se=0.0)
     coarse = compare_quantile(a, b, 0.5, "p50", Rule(max_boot_n=6_000), paired=True, run_se=0.0)
     assert coarse["significant"] and coarse["worse"]
     (lo, hi), (clo, chi) = full["ci_pct"], coarse["ci_pct"]
-    assert chi - clo >= 0.9 * (hi - lo) and clo <= full["delta_pct"] <= chi
+    assert chi - clo >= 0.9 * (hi - lo) and abs((clo + chi) / 2 - (lo + hi) / 2) <= 0.5 * (hi - lo)
 
 
 @pytest.mark.parametrize("paired", [True, False])
 def test_below_max_boot_n_nothing_changes(paired):
-    a, b = queue(20_000, 0, workload_seed=0), queue(20_000, 2, 1.08, workload_seed=0)
+    a, b = queue(20_000, 0, workload_seed=0), 1.08 * queue(20_000, 2, workload_seed=0)
     for q, kind in ((0.5, "p50"), (0.99, "p99")):
         assert compare_quantile(a, b, q, kind, FAST, paired=paired) == \
             compare_quantile(a, b, q, kind, FULL, paired=paired)
