@@ -144,10 +144,22 @@ def thinning(n: int, rng: np.random.Generator, max_n: int | None) -> np.ndarray 
     return edges[:-1] + (rng.random(max_n) * np.diff(edges)).astype(np.int64)
 
 
+def block_resamples(starts: np.ndarray, size: int, *values: np.ndarray) -> list[np.ndarray]:
+    """For each array of ``values`` (length n): its resamples [num, n] made of the blocks at
+    ``starts`` [num, k] (``_block_starts``), i.e. ``x[block_indices(...)]``, copied block by
+    block from a sliding-window view (no index array; several times faster than the gather)."""
+    out = []
+    for x in values:
+        n = len(x)
+        windows = np.lib.stride_tricks.sliding_window_view(x, size)  # [n - size + 1, size], a view
+        out.append(windows[starts].reshape(len(starts), -1)[:, :n])
+    return out
+
+
 def _boot_quantile(x: np.ndarray, q: float, num: int, rng: np.random.Generator) -> np.ndarray:
     """Bootstrap distribution of the q-quantile of ``x`` (in arrival order)."""
-    idx = block_indices(len(x), num, rng)
-    return np.quantile(x[idx], q, axis=1)
+    starts, size = _block_starts(len(x), num, rng)
+    return np.quantile(block_resamples(starts, size, x)[0], q, axis=1, overwrite_input=True)
 
 
 def mann_whitney_p(a: np.ndarray, b: np.ndarray) -> float:
@@ -209,15 +221,16 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
             # a burst (or another process) cannot swing the way they swing the two medians
             d = pb - pa
             sa, sd = (pa, d) if keep is None else (pa[keep], d[keep])
-            idx = block_indices(len(sa), rule.num_boot, rng)
-            ra = np.median(sa[idx], axis=1)
-            rb = ra + np.median(sd[idx], axis=1)
+            starts, size = _block_starts(len(sa), rule.num_boot, rng)
+            ra = np.median(block_resamples(starts, size, sa)[0], axis=1, overwrite_input=True)
+            rb = ra + np.median(block_resamples(starts, size, sd)[0], axis=1, overwrite_input=True)
             if keep is not None:
                 shift = _rel(np.median(pa), np.median(d)) - _rel(np.median(sa), np.median(sd))
         else:
             sa, sb = (pa, pb) if keep is None else (pa[keep], pb[keep])
-            idx = block_indices(len(sa), rule.num_boot, rng)
-            ra, rb = np.quantile(sa[idx], q, axis=1), np.quantile(sb[idx], q, axis=1)
+            starts, size = _block_starts(len(sa), rule.num_boot, rng)
+            ra = np.quantile(block_resamples(starts, size, sa)[0], q, axis=1, overwrite_input=True)
+            rb = np.quantile(block_resamples(starts, size, sb)[0], q, axis=1, overwrite_input=True)
             if keep is not None:
                 full_a, thin_a = np.quantile(pa, q), np.quantile(sa, q)
                 shift = _rel(full_a, np.quantile(pb, q) - full_a) - _rel(thin_a, np.quantile(sb, q) - thin_a)
