@@ -70,7 +70,7 @@ class Rule:
     seed: int = 0
     # quantiles of more requests than this are bootstrapped on a thinning in arrival order of this
     # many (``thinning``); None: always all of them (O(num_boot * n) time and memory)
-    max_boot_n: int | None = 50_000
+    max_boot_n: int | None = 20_000
 
     def spread(self, metric: str | None, kind: str) -> float:
         """The prior run-to-run relative SD of ``metric`` (or of its kind)."""

@@ -1,6 +1,6 @@
 """The bootstrap at scale (diagnose/stats.py, docs/diagnose.md §2 "Large runs") against the full one.
 
-* above ``Rule.max_boot_n`` requests the quantile bootstrap resamples a thinning in arrival order:
+* above ``Rule.max_boot_n`` (20,000) requests the quantile bootstrap resamples a thinning in arrival order:
   on 60,000 burst-correlated requests (a FIFO queue) with a planted 8% slowdown, and on A/A runs of
   the same size, it reaches the full bootstrap's significant/worse decisions, its CI lies within
   the stated tolerance of the full one, and its floor is not smaller (conservative);
@@ -18,15 +18,16 @@ import pytest
 from layerscope.diagnose.stats import (Rule, block_indices, block_means, block_sums, compare_quantile, compare_rate,
                                        mann_whitney_p, thinning)
 
-N = 60_000  # above the default max_boot_n (50,000)
+N = 60_000  # 3x the default max_boot_n (20,000)
 FULL = Rule(max_boot_n=None)
 FAST = Rule()
-# tolerance of the thinned CI against the full one (both with 400 resamples): its width within
-# [0.75, 1.5] of the full width (expected ~sqrt(60/50) = 1.1 for independent requests, less with
-# correlation; measured 0.85-1.12 over 3 x 8 cases), each end within 0.25 full widths of the full
-# CI's (measured <= 0.11), its floor at least 0.8 of the full one's (measured 0.89-1.15)
-WIDTH_RATIO = (0.75, 1.5)
-END_TOL = 0.25
+# tolerance of the thinned CI against the full one (both with 400 resamples), measured over 3 x 8
+# cases of this kind: its width within [0.75, 1.6] of the full width (measured 0.89-1.33; up to
+# sqrt(60/20) = 1.7 is expected for independent requests, less with correlation), each end within
+# 0.4 full widths of the full CI's (measured <= 0.32), its floor at least 0.8 of the full one's
+# (measured 0.89-1.23)
+WIDTH_RATIO = (0.75, 1.6)
+END_TOL = 0.4
 FLOOR_RATIO = 0.8
 
 
@@ -90,6 +91,24 @@ def test_a_coarser_thinning_is_wider_not_narrower(runs):
     assert coarse["significant"] and coarse["worse"]
     (lo, hi), (clo, chi) = full["ci_pct"], coarse["ci_pct"]
     assert chi - clo >= 0.9 * (hi - lo) and abs((clo + chi) / 2 - (lo + hi) / 2) <= 0.5 * (hi - lo)
+
+
+def test_thinned_ci_is_centred_on_the_full_sample_change():
+    """A coarse thinning (1,000 of 60,000 independent requests) has a spread ~8x the full one's and
+    an estimate off the full sample's by about that much: the CI is moved onto the full sample's
+    change (for a paired median: the median per-request shift), so its midpoint sits within the
+    bootstrap's own skew of it (measured RMS 0.05 CI widths over these 24 cases; 0.22 unmoved)."""
+    off = []
+    for seed in range(6):
+        g = np.random.default_rng(seed)
+        a, b = g.lognormal(0, 0.5, N), g.lognormal(0.02, 0.5, N)
+        for paired, cand in ((False, b), (True, a * g.lognormal(0.02, 0.3, N))):
+            for q, kind in ((0.5, "p50"), (0.99, "p99")):
+                r = compare_quantile(a, cand, q, kind, Rule(max_boot_n=1_000), paired=paired, run_se=0.0)
+                lo, hi = r["ci_pct"]
+                full = 100 * np.median(cand - a) / np.median(a) if paired and kind == "p50" else r["delta_pct"]
+                off.append(((lo + hi) / 2 - full) / (hi - lo))
+    assert max(np.abs(off)) <= 0.2 and math.sqrt(np.mean(np.square(off))) <= 0.1, np.round(off, 3)
 
 
 @pytest.mark.parametrize("paired", [True, False])
