@@ -34,6 +34,10 @@ paired), with blocks covering the same spans of the run; its spread is that of a
 fewer requests, so at least the full sample's (a conservative CI and floor), and the CI is
 centred on the full sample's estimate. Sums and means (rates, goodput's share) are resampled
 exactly at any size, from prefix sums over the same blocks (``block_sums``).
+
+(Over 400 lines: the rule, its bootstrap and the run-level t-test it falls back to with
+repetitions are one argument about when a change is real; docs/diagnose.md §2 reads against
+this one file.)
 """
 
 from __future__ import annotations
