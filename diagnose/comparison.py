@@ -21,7 +21,7 @@ from layerscope.diagnose.attribution import Causes, Part, ms, quantile_component
 from layerscope.diagnose.config_diff import can_move, config_diff, diff_records, mark_consistency
 from layerscope.diagnose.load import Run
 from layerscope.diagnose.machine import machine_diff, machine_json, machine_relevant, machine_verdict, unstable
-from layerscope.diagnose.stats import DEFAULT_RULE, Rule, sensitivity, block_indices, compare_quantile, compare_rate
+from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_means, compare_quantile, compare_rate, sensitivity
 from layerscope.diagnose.workload import workload_diff
 
 SCHEMA = "layerscope.diagnosis/1"
@@ -133,7 +133,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     attribution: dict[str, pd.DataFrame] = {}
     findings: list[dict] = []
     for name, m, q, _ in LATENCY_METRICS:
-        comp = quantile_components(a.ok, b.ok, m, q)
+        comp = quantile_components(a.components(m), b.components(m), m, q)
         attribution[name] = comp
         if metrics[name]["significant"] or name in attribute:
             findings += _findings(name, comp, causes, metrics[name], f"{m.upper()} p{int(q * 100)}")
@@ -268,8 +268,8 @@ def goodput_change(good_a: np.ndarray, good_b: np.ndarray, ha: float, hb: float,
     if len(good_a) < 20 or len(good_b) < 20 or not ha > 0:
         return r
     rng = np.random.default_rng(rule.seed)
-    ba = good_a.astype(float)[block_indices(len(good_a), rule.num_boot, rng)].mean(axis=1)
-    bb = good_b.astype(float)[block_indices(len(good_b), rule.num_boot, rng)].mean(axis=1)
+    ba = block_means(good_a.astype(float), rule.num_boot, rng)  # the block bootstrap, from prefix sums
+    bb = block_means(good_b.astype(float), rule.num_boot, rng)
     tail = (1 - rule.confidence) / 2
     lo, hi = np.quantile(bb - ba, [tail, 1 - tail])
     # CI of goodput's relative change: the headline ratio, varied as the met share varies
@@ -361,7 +361,7 @@ def _goodput_findings(a: RunAnalysis, b: RunAnalysis, slo: dict, causes: Causes,
     if worst is None:
         return []
     m = worst[:-2]
-    comp = quantile_components(a.ok, b.ok, m, 0.9)
+    comp = quantile_components(a.components(m), b.components(m), m, 0.9)
     fs = _findings(GOODPUT, comp, causes, metric, f"{m.upper()} p90")
     for f in fs:
         f["evidence"].insert(0, f"requests over the {m.upper()} SLO ({ms(slo[worst])}): "

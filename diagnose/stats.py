@@ -26,6 +26,18 @@ moving-block bootstrap over the requests in arrival order (about 40 blocks per r
 which keeps that correlation; an i.i.d. bootstrap or the Mann-Whitney p-value alone
 would call run-to-run differences of the tail significant. No scipy: the normal and
 Student t quantiles are computed here.
+
+Scale (docs/diagnose.md §2, "Large runs"): a resample costs O(n), so above ``Rule.max_boot_n``
+requests the quantile bootstrap resamples a thinning of them in arrival order (one request drawn
+at random from each of ``max_boot_n`` consecutive strata, the same positions on both sides when
+paired), with blocks covering the same spans of the run; its spread is that of an estimator on
+fewer requests, so at least the full sample's (a conservative CI and floor), and the CI is
+centred on the full sample's estimate. Sums and means (rates, goodput's share) are resampled
+exactly at any size, from prefix sums over the same blocks (``block_sums``).
+
+(Over 400 lines: the rule, its bootstrap and the run-level t-test it falls back to with
+repetitions are one argument about when a change is real; docs/diagnose.md §2 reads against
+this one file.)
 """
 
 from __future__ import annotations
@@ -35,7 +47,6 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 
 import numpy as np
-import pandas as pd
 
 # Prior run-to-run spread (relative SD between identical runs) of each metric, used when
 # a comparison has no repetitions to measure it from (one run a side). Sized on the A/A
@@ -75,6 +86,9 @@ class Rule:
     confidence: float = 0.95
     num_boot: int = 400
     seed: int = 0
+    # quantiles of more requests than this are bootstrapped on a thinning in arrival order of this
+    # many (``thinning``); None: always all of them (O(num_boot * n) time and memory)
+    max_boot_n: int | None = 20_000
 
     def spread(self, metric: str | None, kind: str, saturated: bool = False) -> float:
         """The prior run-to-run relative SD of ``metric`` (or of its kind); ``saturated``: of
@@ -104,31 +118,90 @@ NUM_BLOCKS = 40
 def block_indices(n: int, num: int, rng: np.random.Generator, num_blocks: int = NUM_BLOCKS) -> np.ndarray:
     """Moving-block bootstrap: ``num`` resamples of indices 0..n-1, each made of about
     ``num_blocks`` runs of consecutive indices; shape [num, n]."""
-    size = max(1, int(math.ceil(n / num_blocks)))
-    k = int(math.ceil(n / size))
-    starts = rng.integers(0, max(n - size, 0) + 1, size=(num, k))
+    starts, size = _block_starts(n, num, rng, num_blocks)
+    k = starts.shape[1]
     idx = (starts[:, :, None] + np.arange(size)[None, None, :]).reshape(num, k * size)[:, :n]
     return idx
 
 
+def _block_starts(n: int, num: int, rng: np.random.Generator, num_blocks: int = NUM_BLOCKS
+                  ) -> tuple[np.ndarray, int]:
+    """The block starts [num, k] ``block_indices`` draws (the same draws from ``rng``) and the block size."""
+    size = max(1, int(math.ceil(n / num_blocks)))
+    k = int(math.ceil(n / size))
+    return rng.integers(0, max(n - size, 0) + 1, size=(num, k)), size
+
+
+def block_sums(n: int, num: int, rng: np.random.Generator, *values: np.ndarray,
+               num_blocks: int = NUM_BLOCKS) -> list[np.ndarray]:
+    """For each array of ``values`` (length n, NaN counted as 0): its sum over each of the ``num``
+    resamples ``block_indices(n, num, rng)`` would draw (the same draws), from prefix sums:
+    O(n + num * num_blocks) instead of O(num * n) time and memory. Shape [num] each."""
+    starts, size = _block_starts(n, num, rng, num_blocks)
+    k = starts.shape[1]
+    lens = np.full(k, size, dtype=np.int64)
+    lens[-1] = n - (k - 1) * size  # the last block is cut at n, as block_indices cuts it
+    out = []
+    for x in values:
+        c = np.concatenate([[0.0], np.cumsum(np.nan_to_num(np.asarray(x, np.float64)))])
+        out.append((c[starts + lens] - c[starts]).sum(axis=1))
+    return out
+
+
+def block_means(x: np.ndarray, num: int, rng: np.random.Generator) -> np.ndarray:
+    """The mean of ``x`` over each of the ``num`` resamples ``block_indices(len(x), num, rng)`` would
+    draw (the same draws; NaN counted as 0), from prefix sums. Shape [num]."""
+    return block_sums(len(x), num, rng, x)[0] / max(len(x), 1)
+
+
+def thinning(n: int, rng: np.random.Generator, max_n: int | None) -> np.ndarray | None:
+    """Positions (ascending) of a thinning of n units in arrival order: one drawn at random from
+    each of ``max_n`` strata of about n / max_n consecutive units; None when n <= max_n (keep all).
+
+    The draw within each stratum (rather than every k-th unit) keeps a period in the data (round
+    robin over replicas, a repeating workload) from lining up with the stride."""
+    if max_n is None or n <= max_n:
+        return None
+    edges = (np.arange(max_n + 1, dtype=np.int64) * n) // max_n
+    return edges[:-1] + (rng.random(max_n) * np.diff(edges)).astype(np.int64)
+
+
+def block_resamples(starts: np.ndarray, size: int, *values: np.ndarray) -> list[np.ndarray]:
+    """For each array of ``values`` (length n): its resamples [num, n] made of the blocks at
+    ``starts`` [num, k] (``_block_starts``), i.e. ``x[block_indices(...)]``, copied block by
+    block from a sliding-window view (no index array; several times faster than the gather)."""
+    out = []
+    for x in values:
+        n = len(x)
+        windows = np.lib.stride_tricks.sliding_window_view(x, size)  # [n - size + 1, size], a view
+        out.append(windows[starts].reshape(len(starts), -1)[:, :n])
+    return out
+
+
 def _boot_quantile(x: np.ndarray, q: float, num: int, rng: np.random.Generator) -> np.ndarray:
     """Bootstrap distribution of the q-quantile of ``x`` (in arrival order)."""
-    idx = block_indices(len(x), num, rng)
-    return np.quantile(x[idx], q, axis=1)
+    starts, size = _block_starts(len(x), num, rng)
+    return np.quantile(block_resamples(starts, size, x)[0], q, axis=1, overwrite_input=True)
 
 
 def mann_whitney_p(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sided Mann-Whitney U p-value (normal approximation with tie correction)."""
+    """Two-sided Mann-Whitney U p-value (normal approximation with tie correction).
+
+    Ranks from one sort of both samples (midranks of ties by binary search): O((n1 + n2) log),
+    a second for a million values a side."""
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     a, b = a[~np.isnan(a)], b[~np.isnan(b)]
     n1, n2 = len(a), len(b)
     if n1 < 2 or n2 < 2:
         return math.nan
-    ranks = pd.Series(np.concatenate([a, b])).rank(method="average").to_numpy()
-    u = ranks[:n1].sum() - n1 * (n1 + 1) / 2
+    s = np.sort(np.concatenate([a, b]))
+    a = np.sort(a)  # sorted queries: the binary searches walk the array in order
+    # a value's midrank (1-based) is (#smaller + 1 + #smaller-or-equal) / 2; sums in integers, exact
+    rank_sum = (int(np.searchsorted(s, a, "left").sum()) + int(np.searchsorted(s, a, "right").sum()) + n1) / 2
+    u = rank_sum - n1 * (n1 + 1) / 2
     mu = n1 * n2 / 2
-    _, counts = np.unique(np.concatenate([a, b]), return_counts=True)
+    counts = np.diff(np.flatnonzero(np.r_[True, s[1:] != s[:-1], True])).astype(np.float64)
     n = n1 + n2
     tie = (counts**3 - counts).sum() / (n * (n - 1))
     sigma = math.sqrt(n1 * n2 / 12 * ((n + 1) - tie))
@@ -161,23 +234,41 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
         return {**out, "delta_pct": _pct(out["baseline"], out["candidate"]), "ci_pct": None, "p_value": None,
                 "significant": False, "worse": False, **sensitivity(math.nan, run_se, rule)}
     rng = np.random.default_rng(rule.seed)
+    shift = 0.0  # a thinned bootstrap's distribution is moved onto the full sample's estimate
     if both is not None and both.sum() >= 5:
         pa, pb = base[both], cand[both]
-        idx = block_indices(len(pa), rule.num_boot, rng)
+        keep = thinning(len(pa), rng, rule.max_boot_n)
         if kind == "p50":
             # a median's change, paired: the median per-request shift, which a few requests hit by
             # a burst (or another process) cannot swing the way they swing the two medians
-            ra = np.median(pa[idx], axis=1)
-            rb = ra + np.median((pb - pa)[idx], axis=1)
+            d = pb - pa
+            sa, sd = (pa, d) if keep is None else (pa[keep], d[keep])
+            starts, size = _block_starts(len(sa), rule.num_boot, rng)
+            ra = np.median(block_resamples(starts, size, sa)[0], axis=1, overwrite_input=True)
+            rb = ra + np.median(block_resamples(starts, size, sd)[0], axis=1, overwrite_input=True)
+            if keep is not None:
+                shift = _rel(np.median(pa), np.median(d)) - _rel(np.median(sa), np.median(sd))
         else:
-            ra, rb = np.quantile(pa[idx], q, axis=1), np.quantile(pb[idx], q, axis=1)
+            sa, sb = (pa, pb) if keep is None else (pa[keep], pb[keep])
+            starts, size = _block_starts(len(sa), rule.num_boot, rng)
+            ra = np.quantile(block_resamples(starts, size, sa)[0], q, axis=1, overwrite_input=True)
+            rb = np.quantile(block_resamples(starts, size, sb)[0], q, axis=1, overwrite_input=True)
+            if keep is not None:
+                full_a, thin_a = np.quantile(pa, q), np.quantile(sa, q)
+                shift = _rel(full_a, np.quantile(pb, q) - full_a) - _rel(thin_a, np.quantile(sb, q) - thin_a)
     else:
         both = None
-        ra = _boot_quantile(a, q, rule.num_boot, rng)
-        rb = _boot_quantile(b, q, rule.num_boot, rng)
+        keep_a, keep_b = thinning(len(a), rng, rule.max_boot_n), thinning(len(b), rng, rule.max_boot_n)
+        sa = a if keep_a is None else a[keep_a]
+        sb = b if keep_b is None else b[keep_b]
+        ra = _boot_quantile(sa, q, rule.num_boot, rng)
+        rb = _boot_quantile(sb, q, rule.num_boot, rng)
+        if keep_a is not None or keep_b is not None:
+            thin_a, thin_b = quantile(sa, q), quantile(sb, q)
+            shift = _rel(out["baseline"], out["candidate"] - out["baseline"]) - _rel(thin_a, thin_b - thin_a)
     rel = (rb - ra) / np.where(ra > 0, ra, np.nan)
     tail = (1 - rule.confidence) / 2
-    lo, hi = np.nanquantile(rel, [tail, 1 - tail])
+    lo, hi = np.nanquantile(rel, [tail, 1 - tail]) + (shift if math.isfinite(shift) else 0.0)
     delta = out["candidate"] - out["baseline"]
     rel_delta = delta / out["baseline"]
     p = mann_whitney_p(a, b) if kind == "p50" else None
@@ -210,8 +301,8 @@ def compare_rate(base_num: np.ndarray, base_den: np.ndarray, cand_num: np.ndarra
         return {**out, "delta_pct": _pct(out["baseline"], out["candidate"]), "ci_pct": None, "p_value": None,
                 "significant": False, "worse": False, **sensitivity(math.nan, run_se, rule)}
     rng = np.random.default_rng(rule.seed)
-    ra = _block_boot(base_num, base_den, rule.num_boot, rng)
-    rb = _block_boot(cand_num, cand_den, rule.num_boot, rng)
+    ra = _block_ratio(base_num, base_den, rule.num_boot, rng)
+    rb = _block_ratio(cand_num, cand_den, rule.num_boot, rng)
     rel = (rb - ra) / ra
     tail = (1 - rule.confidence) / 2
     lo, hi = np.nanquantile(rel, [tail, 1 - tail])
@@ -222,12 +313,15 @@ def compare_rate(base_num: np.ndarray, base_den: np.ndarray, cand_num: np.ndarra
             "significant": bool(sig), "worse": bool(sig and rel_delta < 0), **sens}
 
 
-def _block_boot(num, den, num_boot, rng) -> np.ndarray:
-    num = np.nan_to_num(np.asarray(num, np.float64))
-    den = np.nan_to_num(np.asarray(den, np.float64))
-    idx = block_indices(len(num), num_boot, rng)
-    d = den[idx].sum(axis=1)
-    return num[idx].sum(axis=1) / np.where(d > 0, d, np.nan)
+def _block_ratio(num, den, num_boot, rng) -> np.ndarray:
+    """Bootstrap distribution of sum(num) / sum(den) (NaN as 0) over moving blocks: exact at any n
+    (block_sums: prefix sums over the blocks block_indices draws)."""
+    n, d = block_sums(len(num), num_boot, rng, num, den)
+    return n / np.where(d > 0, d, np.nan)
+
+
+def _rel(base: float, delta: float) -> float:
+    return delta / base if base > 0 else math.nan
 
 
 def _pct(a: float, b: float) -> float:

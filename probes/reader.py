@@ -89,9 +89,10 @@ def _parquet(path: Path, read):
         raise BundleError(f"{path}: corrupt or truncated Parquet file ({e})") from None
 
 
-def _check_parquet(path: Path, sch: pa.Schema, version: int = schema.SCHEMA_VERSION) -> pa.Schema:
-    """The file's schema, checked against ``sch``."""
-    got = _parquet(path, pq.read_schema)
+def _check_parquet(path: Path, sch: pa.Schema, version: int = schema.SCHEMA_VERSION,
+                   got: pa.Schema | None = None) -> pa.Schema:
+    """The file's schema (read, or ``got`` when its footer is already open), checked against ``sch``."""
+    got = _parquet(path, pq.read_schema) if got is None else got
     for f in sch:
         if f.name not in got.names:
             if schema.ADDED.get(f.name, 1) > version:
@@ -109,20 +110,26 @@ def read_table(path: Path | list[Path], sch: pa.Schema, columns: list[str] | Non
     expression). An all-null column, or one this bundle's schema version predates, takes the schema's type."""
     paths = path if isinstance(path, list) else [path]
     sch = pa.schema([sch.field(c) for c in columns]) if columns is not None else sch
-    pieces = []
-    for p in paths:
-        got = _check_parquet(p, sch, version)
-        names = [f.name for f in sch if f.name in got.names]
-        if filter is None:
-            t = _parquet(p, lambda q: pq.read_table(q, columns=names))
-        else:
-            t = _parquet(p, lambda q: ds.dataset(q, format="parquet").to_table(columns=names, filter=filter))
-        cols = [t.column(f.name) if f.name in names and t.column(f.name).type.equals(f.type)
-                else pa.nulls(t.num_rows, f.type) for f in sch]
-        pieces.append(pa.Table.from_arrays(cols, schema=sch))
+    pieces = [_read_file(p, sch, version, filter) for p in paths]
     if not pieces:
         return sch.empty_table()
     return pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+
+
+def _read_file(p: Path, sch: pa.Schema, version: int, filter: ds.Expression | None = None,
+               pf: pq.ParquetFile | None = None) -> pa.Table:
+    """One file of ``read_table``; ``pf``: the file already open (its footer read once, not three times)."""
+    got = _check_parquet(p, sch, version, pf.schema_arrow if pf is not None else None)
+    names = [f.name for f in sch if f.name in got.names]
+    if filter is not None:
+        t = _parquet(p, lambda q: ds.dataset(q, format="parquet").to_table(columns=names, filter=filter))
+    elif pf is not None:
+        t = _parquet(p, lambda q: pf.read(columns=names))
+    else:
+        t = _parquet(p, lambda q: pq.read_table(q, columns=names))
+    cols = [t.column(f.name) if f.name in names and t.column(f.name).type.equals(f.type)
+            else pa.nulls(t.num_rows, f.type) for f in sch]
+    return pa.Table.from_arrays(cols, schema=sch)
 
 
 def frame(table: pa.Table, skip: tuple[str, ...] = ()) -> pd.DataFrame:
@@ -158,7 +165,8 @@ def frame_files(files: list[Path], sch: pa.Schema, version: int = schema.SCHEMA_
     preallocated (int64 unless a row group's statistics count nulls, else float64 with NaN) and
     filled file by file; other columns (strings, lists) are concatenated Arrow chunks. ``unique``:
     a column whose values must be unique (BundleError otherwise)."""
-    metas = [_parquet(f, lambda p: pq.ParquetFile(p).metadata) for f in files]
+    opened = [_parquet(f, pq.ParquetFile) for f in files]
+    metas = [pf.metadata for pf in opened]
     n = sum(m.num_rows for m in metas)
 
     index = [{m.schema.column(i).path: i for i in range(m.num_columns)} for m in metas]
@@ -183,8 +191,8 @@ def frame_files(files: list[Path], sch: pa.Schema, version: int = schema.SCHEMA_
         else:
             arrays[f.name] = []
     off = 0
-    for path in files:
-        t = read_table(path, sch, None, None, version)
+    for path, pf in zip(files, opened):
+        t = _read_file(path, sch, version, pf=pf)
         k = t.num_rows
         for f in sch:
             a, c = arrays[f.name], t.column(f.name)
@@ -194,6 +202,7 @@ def frame_files(files: list[Path], sch: pa.Schema, version: int = schema.SCHEMA_
                 a[off:off + k] = c.to_numpy() if not c.null_count else c.to_numpy().astype(np.float64)
         off += k
         del t
+        pf.close()
     out = {}
     for f in sch:
         a = arrays[f.name]
