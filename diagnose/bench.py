@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             ok2 = (limit is None or wall2 < 2 * limit) and rss2 < 2048
             ok = ok and ok2
             print(f"diagnose BASELINE CANDIDATE --json: {wall2:.2f} s ({cpu2:.2f} s CPU), peak RSS {rss2:,.0f} MB (verdict "
-                  f"{d.get('verdict')}, primary {d.get('primary')})  target < {2 * limit if limit else 'none'} s: "
-                  f"{'ok' if ok2 else 'MISSED'}")
+                  f"{d.get('verdict')}, primary {d.get('primary')})  target < {2 * limit if limit else 'none'} s "
+                  f"({'ok' if limit is None or wall2 < 2 * limit else 'MISSED'}), < 2048 MB "
+                  f"({'ok' if rss2 < 2048 else 'MISSED'})")
     finally:
         if not args.out:
             shutil.rmtree(root, ignore_errors=True)
