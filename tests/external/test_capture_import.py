@@ -18,6 +18,7 @@ from layerscope.diagnose.external.analysis import compare_external, summarize_ex
 DATA = Path(__file__).resolve().parents[1] / "data" / "external"
 V032 = DATA / "vllm-0.32.0-cpu"
 V085 = DATA / "vllm-0.8.5-cpu-v0"
+V0101 = DATA / "vllm-0.10.1.1-cpu-v1"
 
 
 def _mean(text_before: str, text_after: str, family: str) -> float:
@@ -194,6 +195,23 @@ def test_import_real_vllm_085_bench_serve_result(tmp_path):
     assert s["engine"] == {"family": "vllm", "version": "0.8.5.post2"}
     m = json.loads((out / "manifest.json").read_text())
     assert m["summary"]["client"]["median_ttft_s"] == pytest.approx(d["median_ttft_ms"] / 1e3)
+
+
+def test_import_real_vllm_0101_bench_serve_detailed(tmp_path):
+    """vLLM 0.10.1's `--save-detailed` JSON (README): per-request lists, still no latencies."""
+    src = V0101 / "bench_serve.json"
+    d = json.loads(src.read_text())
+    out = tmp_path / "vb0101"
+    assert main(["import", "vllm-bench", str(src), "--out", str(out), "--metrics",
+                 str(V0101 / "metrics_after.prom"), str(V0101 / "metrics_bench_serve_after.prom"),
+                 "--server-log", str(V0101 / "server.log")]) == 0
+    s = summarize_external(out)
+    assert s["requests"] == s["requests_finished"] == d["completed"] == 24
+    assert s["latency"]["ttft"]["p50"] == pytest.approx(d["median_ttft_ms"] / 1e3, rel=1e-6)
+    assert s["latency"]["itl"]["p50"] == pytest.approx(d["median_itl_ms"] / 1e3, rel=1e-6)
+    assert s["latency"]["tpot"]["p50"] == pytest.approx(d["median_tpot_ms"] / 1e3, rel=1e-3)
+    assert s["server_split"]["e2e_count"] == 25  # 24 and the initial single-prompt test run
+    assert s["engine"] == {"family": "vllm", "version": "0.10.1.1.post2"}
 
 
 def test_diagnose_cli_on_external_bundles(tmp_path, capsys):

@@ -18,6 +18,7 @@ from layerscope.diagnose.external.server_log import parse_log
 DATA = Path(__file__).resolve().parents[1] / "data" / "external"
 V032 = DATA / "vllm-0.32.0-cpu"
 V085 = DATA / "vllm-0.8.5-cpu-v0"  # the V0 engine: the 0.4-0.6 family's metrics and log lines
+V0101 = DATA / "vllm-0.10.1.1-cpu-v1"  # an early v1: old and new names side by side
 
 
 def _families(text: str, prefix: str = "vllm:") -> set[str]:
@@ -84,6 +85,26 @@ def test_vllm_085_v0_exposition_maps_every_concept_it_exposes():
     _every_family_listed((V085 / "metrics_bench_serve_after.prom").read_text())
 
 
+def test_vllm_0101_v1_exposition_prefers_the_new_names():
+    text = (V0101 / "metrics_after.prom").read_text()
+    exp = parse(text)
+    assert exp.num_skipped == 0
+    r = resolve(exp)
+    assert set(r.names) == {"running", "waiting", "kv_usage", "preemptions", "prefix_queries", "prefix_hits",
+                            "prompt_tokens", "generation_tokens", "requests_finished", "ttft", "itl", "e2e",
+                            "queue_time", "prefill_time", "decode_time", "inference_time", "iteration_tokens",
+                            "prompt_len", "output_len", "max_tokens_param", "cache_config"}
+    assert r.names["kv_usage"] == "vllm:kv_cache_usage_perc" and r.names["prefix_hits"] == "vllm:prefix_cache_hits_total"
+    assert r.names["itl"] == "vllm:time_per_output_token_seconds"  # inter_token_latency_seconds came in 0.10.2
+    # the deprecated duplicates are listed, and each `_created` gauge belongs to its metric
+    assert r.unmapped == ["vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_hits_total",
+                          "vllm:gpu_prefix_cache_queries_total", "vllm:request_max_num_generation_tokens",
+                          "vllm:request_params_n"]
+    assert exp.total("vllm:prefix_cache_queries_total") == exp.total("vllm:gpu_prefix_cache_queries_total") > 0
+    for name in ("metrics_before.prom", "metrics_after.prom", "metrics_bench_serve_after.prom"):
+        _every_family_listed((V0101 / name).read_text())
+
+
 def test_vllm_032_exposition_lists_every_family():
     _every_family_listed((V032 / "metrics_after.prom").read_text())
 
@@ -92,6 +113,8 @@ def test_vllm_032_exposition_lists_every_family():
     (V032, "metrics_before.prom", "metrics_after.prom"),
     (V085, "metrics_before.prom", "metrics_after.prom"),  # V0: no histograms before the first request
     (V085, "metrics_after.prom", "metrics_bench_serve_after.prom"),
+    (V0101, "metrics_before.prom", "metrics_after.prom"),
+    (V0101, "metrics_after.prom", "metrics_bench_serve_after.prom"),
 ])
 def test_real_histogram_deltas_agree_with_prometheus_client(data, before_name, after_name):
     before, after = (data / before_name).read_text(), (data / after_name).read_text()
@@ -204,6 +227,20 @@ def test_vllm_085_v0_server_log():
     assert (first["num_running"], first["num_swapped"], first["num_waiting"], first["kv_usage"]) == (1, 0, 0, 0.0)
     assert first["prompt_throughput_tok_s"] == 267.3 and first["gen_throughput_tok_s"] == 48.3
     assert log.num_lines == len(text.splitlines()) and log.num_skipped > 300  # request lines etc.: counted
+
+
+def test_vllm_0101_v1_server_log():
+    """An early v1 log: ANSI-coloured process prefixes, `non-default args`, thousands separators."""
+    text = (V0101 / "server.log").read_text()
+    assert "\x1b[1;36m(APIServer" in text
+    log = parse_log(text)
+    assert (log.family, log.version) == ("vllm", "0.10.1.1.post2")
+    assert log.non_default_args == {"host": "127.0.0.1", "port": 18287, "model": "/tmp/ls-small085", "dtype": "bfloat16"}
+    assert log.config["enable_prefix_caching"] is True and log.config["max_num_batched_tokens"] == 2048
+    assert log.kv_cache_tokens == 524288 and log.max_concurrency == 256.0 and log.attention_backend == "Torch SDPA"
+    lines = [ln for ln in text.splitlines() if "Avg prompt throughput" in ln]
+    assert len(log.stats) == len(lines) == 1
+    assert log.stats[0]["prompt_throughput_tok_s"] == 377.9 and log.stats[0]["prefix_hit_rate"] == 0.0
 
 
 def test_log_formats_of_other_versions():
