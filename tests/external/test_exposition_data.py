@@ -229,6 +229,21 @@ def test_vllm_085_v0_server_log():
     assert log.num_lines == len(text.splitlines()) and log.num_skipped > 300  # request lines etc.: counted
 
 
+def test_vllm_085_v0_prefix_cache_line():
+    """With --enable-prefix-caching V0 prints `Prefix cache hit rate: GPU: x%, CPU: y%` on a line of
+    its own after each stats line (README: vllm-0.8.5-cpu-v0-prefix, the agentic workload)."""
+    d = DATA / "vllm-0.8.5-cpu-v0-prefix"
+    text = (d / "server.log").read_text()
+    log = parse_log(text)
+    assert log.config["enable_prefix_caching"] is True
+    rates = [float(ln.split("GPU: ")[1].split("%")[0]) / 100 for ln in text.splitlines() if "Prefix cache hit rate" in ln]
+    assert len(log.stats) == len(rates) == 3
+    assert [s["prefix_hit_rate"] for s in log.stats] == rates and max(rates) > 0.5  # the sessions share prefixes
+    exp = parse((d / "metrics_after.prom").read_text())
+    assert exp.num_skipped == 0 and exp.total("vllm:request_success_total") == 32.0
+    _every_family_listed((d / "metrics_after.prom").read_text())
+
+
 def test_vllm_0101_v1_server_log():
     """An early v1 log: ANSI-coloured process prefixes, `non-default args`, thousands separators."""
     text = (V0101 / "server.log").read_text()
