@@ -4,7 +4,8 @@
   version), SGLang or ours: the engine snapshot, and with two the deltas over the interval.
 - ``import_vllm_bench``: ``vllm bench serve --save-result [--save-detailed]`` JSON: per
   request ``ttfts``, ``itls``, ``latencies``, ``input_lens``, ``output_lens``,
-  ``start_times`` when present, else the summary only.
+  ``start_times`` when present, else the summary only (vLLM <= 0.9 saved no
+  ``latencies``: then ttft + sum(itls), which is how its client measured latency).
 - ``import_sglang_bench``: ``python -m sglang.bench_serving --output-file`` JSONL (the last
   line is the run; ``--output-details`` adds the per-request lists).
 
@@ -77,6 +78,10 @@ def _per_request_rows(d: dict[str, Any], prefix: str) -> tuple[list[dict[str, An
         send = int(((starts[i] - t0) if starts else 0.0) * 1e9)
         ttft = ttfts[i]
         lat = lats[i] if isinstance(lats, list) and i < len(lats) else None
+        if lat is None and ttft is not None and i < len(itls) and isinstance(itls[i], list):
+            # vLLM <= 0.9 saves no latencies: its client measures latency as the last chunk's
+            # arrival, which is ttft + the sum of the gaps it saved (endpoint_request_func.py)
+            lat = ttft + sum(itls[i])
         ok = not err and ttft is not None and ttft > 0
         rows.append({
             "request_id": rid, "status": "finished_length" if ok else "error", "error": err or None,

@@ -67,21 +67,21 @@ NAMES: dict[str, dict[str, list[tuple[str, str]]]] = {
     "vllm": {
         "running": [("vllm:num_requests_running", "0.4+")],
         "waiting": [("vllm:num_requests_waiting", "0.4+")],
-        "swapped": [("vllm:num_requests_swapped", "0.4-0.7 (v0)")],
+        "swapped": [("vllm:num_requests_swapped", "0.4-0.7 (v0; hidden from 0.8)")],
         "kv_usage": [("vllm:kv_cache_usage_perc", "0.10+ (v1)"), ("vllm:gpu_cache_usage_perc", "0.4-0.10")],
         "preemptions": [("vllm:num_preemptions_total", "0.5+")],
         "prefix_queries": [("vllm:prefix_cache_queries_total", "v1 (tokens)"),
-                           ("vllm:gpu_prefix_cache_queries_total", "0.7-0.9 (blocks)")],
+                           ("vllm:gpu_prefix_cache_queries_total", "0.7-0.10 (v1)")],
         "prefix_hits": [("vllm:prefix_cache_hits_total", "v1 (tokens)"),
-                        ("vllm:gpu_prefix_cache_hits_total", "0.7-0.9 (blocks)")],
+                        ("vllm:gpu_prefix_cache_hits_total", "0.7-0.10 (v1)")],
         "prefix_hit_rate": [("vllm:gpu_prefix_cache_hit_rate", "0.5-0.7 (v0)")],
         "prompt_tokens": [("vllm:prompt_tokens_total", "0.4+")],
         "generation_tokens": [("vllm:generation_tokens_total", "0.4+")],
         "requests_finished": [("vllm:request_success_total", "0.4+ ({finished_reason})")],
         "ttft": [("vllm:time_to_first_token_seconds", "0.4+")],
-        "itl": [("vllm:inter_token_latency_seconds", "0.10+ (v1)"),
+        "itl": [("vllm:inter_token_latency_seconds", "0.10.2+ (v1)"),
                 ("vllm:time_per_output_token_seconds", "0.4-0.10 (per token; hidden since 0.11)")],
-        "tpot": [("vllm:request_time_per_output_token_seconds", "0.10+ (v1)")],
+        "tpot": [("vllm:request_time_per_output_token_seconds", "0.11+ (v1)")],
         "e2e": [("vllm:e2e_request_latency_seconds", "0.4+")],
         "queue_time": [("vllm:request_queue_time_seconds", "0.6+")],
         "prefill_time": [("vllm:request_prefill_time_seconds", "0.6+")],
@@ -190,6 +190,17 @@ def _has(exp_names: set[str], name: str, kind: str) -> bool:
     return name in exp_names
 
 
+def _owner(raw: set[str], name: str) -> str:
+    """The metric a ``X_created`` sample belongs to (vLLM v1 exposes them as gauges of their
+    own): counter ``X_total``, histogram ``X`` or gauge ``X``; other names are their own."""
+    if name.endswith("_created"):
+        base = name[: -len("_created")]
+        for cand in (base + "_total", base + "_count", base):
+            if cand in raw:
+                return base + "_total" if cand == base + "_total" else base
+    return name
+
+
 @dataclass
 class Resolved:
     family: str | None
@@ -215,7 +226,8 @@ def resolve(exp: Exposition, family: str | None = None) -> Resolved:
                 used |= {name, name + "_bucket", name + "_sum", name + "_count", name + "_created"}
                 break
     prefixes = PREFIXES.get(family or "", ())
-    unmapped = sorted({exp.family_of(n) for n in raw if n.startswith(prefixes) and normalize(n) not in used})
+    unmapped = sorted({exp.family_of(_owner(raw, n)) for n in raw
+                       if n.startswith(prefixes) and normalize(_owner(raw, n)) not in used})
     other = sum(1 for n in raw if not n.startswith(prefixes))
     return Resolved(family, found, unmapped, other)
 

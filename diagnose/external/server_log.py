@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _NON_DEFAULT = re.compile(r"non-default args: (\{.*\})\s*$")
-_V1_INIT = re.compile(r"Initializing an? (?:V1 )?LLM engine(?: \(v?([^)]+)\))? with config: (.*)$")
+_V1_INIT = re.compile(r"Initializing an? (?:V[01] )?LLM engine(?: \(v?([^)]+)\))? with config: (.*)$")
+_ARGS = re.compile(r"\] args: Namespace\((.*)\)\s*$")  # vLLM <= 0.8: the whole argparse Namespace
 _CHUNKED = re.compile(r"Chunked prefill is enabled with max_num_batched_tokens=(\d+)")
 _KV_SIZE = re.compile(r"(GPU|CPU) KV cache size: ([\d,]+) tokens")
 _MAX_CONC = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
-_BLOCKS_V0 = re.compile(r"# (?:GPU|gpu) blocks: (\d+), # (?:CPU|cpu) blocks: (\d+)")
+_BLOCKS_V0 = re.compile(r"# [A-Za-z]+ blocks: (\d+), # (?:CPU|cpu) blocks: (\d+)")  # "# GPU", "# cpu" (device)
+_V0_PREFIX = re.compile(r"Prefix cache hit rate: GPU: ([\d.]+)%, CPU: ([\d.]+)%")  # v0: its own line
 _ATTN = re.compile(r"Using ([A-Za-z0-9_ .-]+?) (?:attention )?backend")
 _VERSION = re.compile(r"vLLM API server version ([0-9][\w.+-]*)")
 _SERVER_ARGS = re.compile(r"server_args=ServerArgs\((.*)\)\s*$")
@@ -163,6 +165,12 @@ def parse_log(text: str) -> ServerLog:
                 body = body[: body.rindex(")")]
             log.config.update(key_values(body))
             continue
+        if m := _ARGS.search(line):
+            log.family = log.family or "vllm"
+            for k, v in key_values(m.group(1)).items():  # the engine config line, when present, wins;
+                if v is not None:  # None: not given, the engine decides (its config line says what)
+                    log.config.setdefault(k, v)
+            continue
         if m := _VERSION.search(line):
             log.family, log.version = "vllm", log.version or m.group(1)
             continue
@@ -184,6 +192,10 @@ def parse_log(text: str) -> ServerLog:
         if (row := _vllm_stats(line)) is not None:
             log.family = log.family or "vllm"
             log.stats.append({"kind": "interval", **row})
+            continue
+        if (m := _V0_PREFIX.search(line)) and log.stats and log.stats[-1].get("kind") == "interval":
+            log.stats[-1]["prefix_hit_rate"] = float(m.group(1)) / 100  # v0 prints it after the stats line
+            log.stats[-1]["cpu_prefix_hit_rate"] = float(m.group(2)) / 100
             continue
         if m := _SERVER_ARGS.search(line):
             log.family = "sglang"

@@ -17,6 +17,8 @@ from layerscope.diagnose.external.analysis import compare_external, summarize_ex
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "external"
 V032 = DATA / "vllm-0.32.0-cpu"
+V085 = DATA / "vllm-0.8.5-cpu-v0"
+V0101 = DATA / "vllm-0.10.1.1-cpu-v1"
 
 
 def _mean(text_before: str, text_after: str, family: str) -> float:
@@ -167,6 +169,49 @@ def test_import_real_vllm_bench_serve_result(tmp_path):
     m = json.loads((tmp_path / "vb" / "manifest.json").read_text())
     assert m["summary"]["client"]["median_ttft_s"] == pytest.approx(d["median_ttft_ms"] / 1e3)
     assert m["engine"]["family"] == "vllm" and m["workload"]["num_requests"] == 24
+
+
+def test_import_real_vllm_085_bench_serve_result(tmp_path):
+    """A real vLLM 0.8.5 `vllm bench serve --save-result` JSON (README): no `latencies`, no
+    `start_times`; latency is ttft + sum(itls), which is how its client measured it."""
+    src = V085 / "bench_serve.json"
+    d = json.loads(src.read_text())
+    assert "latencies" not in d and "start_times" not in d
+    out = tmp_path / "vb085"
+    assert main(["import", "vllm-bench", str(src), "--out", str(out), "--metrics",
+                 str(V085 / "metrics_after.prom"), str(V085 / "metrics_bench_serve_after.prom"),
+                 "--server-log", str(V085 / "server.log")]) == 0
+    s = summarize_external(out)
+    assert s["requests"] == s["requests_finished"] == d["completed"] == 24
+    assert s["latency"]["ttft"]["p50"] == pytest.approx(d["median_ttft_ms"] / 1e3, rel=1e-6)
+    assert s["latency"]["itl"]["count"] == sum(len(x) for x in d["itls"])
+    assert s["latency"]["itl"]["p50"] == pytest.approx(d["median_itl_ms"] / 1e3, rel=1e-6)
+    # vLLM's TPOT: (latency - ttft) / (output_len - 1), from the same per-request figures
+    assert s["latency"]["tpot"]["p50"] == pytest.approx(d["median_tpot_ms"] / 1e3, rel=1e-3)
+    e2e = sorted(t + sum(g) for t, g in zip(d["ttfts"], d["itls"]))
+    assert s["latency"]["e2e"]["p50"] == pytest.approx((e2e[11] + e2e[12]) / 2, rel=1e-6)
+    # the server histograms over the bench window: the 24 and vLLM's initial single-prompt test run
+    assert s["server_split"]["e2e_count"] == 25
+    assert s["engine"] == {"family": "vllm", "version": "0.8.5.post2"}
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["summary"]["client"]["median_ttft_s"] == pytest.approx(d["median_ttft_ms"] / 1e3)
+
+
+def test_import_real_vllm_0101_bench_serve_detailed(tmp_path):
+    """vLLM 0.10.1's `--save-detailed` JSON (README): per-request lists, still no latencies."""
+    src = V0101 / "bench_serve.json"
+    d = json.loads(src.read_text())
+    out = tmp_path / "vb0101"
+    assert main(["import", "vllm-bench", str(src), "--out", str(out), "--metrics",
+                 str(V0101 / "metrics_after.prom"), str(V0101 / "metrics_bench_serve_after.prom"),
+                 "--server-log", str(V0101 / "server.log")]) == 0
+    s = summarize_external(out)
+    assert s["requests"] == s["requests_finished"] == d["completed"] == 24
+    assert s["latency"]["ttft"]["p50"] == pytest.approx(d["median_ttft_ms"] / 1e3, rel=1e-6)
+    assert s["latency"]["itl"]["p50"] == pytest.approx(d["median_itl_ms"] / 1e3, rel=1e-6)
+    assert s["latency"]["tpot"]["p50"] == pytest.approx(d["median_tpot_ms"] / 1e3, rel=1e-3)
+    assert s["server_split"]["e2e_count"] == 25  # 24 and the initial single-prompt test run
+    assert s["engine"] == {"family": "vllm", "version": "0.10.1.1.post2"}
 
 
 def test_diagnose_cli_on_external_bundles(tmp_path, capsys):

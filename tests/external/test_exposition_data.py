@@ -17,6 +17,22 @@ from layerscope.diagnose.external.server_log import parse_log
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "external"
 V032 = DATA / "vllm-0.32.0-cpu"
+V085 = DATA / "vllm-0.8.5-cpu-v0"  # the V0 engine: the 0.4-0.6 family's metrics and log lines
+V0101 = DATA / "vllm-0.10.1.1-cpu-v1"  # an early v1: old and new names side by side
+
+
+def _families(text: str, prefix: str = "vllm:") -> set[str]:
+    """Metric family names of an exposition, by prometheus_client (counters without _total)."""
+    return {f.name for f in text_string_to_metric_families(text) if f.name.startswith(prefix)}
+
+
+def _every_family_listed(text: str) -> None:
+    """Every engine family of a real text is mapped onto a concept or listed as unmapped."""
+    r = resolve(parse(text))
+    listed = set(r.names.values()) | set(r.unmapped)
+    base = {f.removesuffix("_created") for f in _families(text)}  # v1 exposes `_created` as gauges of their own
+    missing = {f for f in base if f not in listed and f + "_total" not in listed}
+    assert not missing, missing
 
 
 def _reference_hist(text: str, family: str) -> tuple[float, float]:
@@ -46,6 +62,69 @@ def test_vllm_032_exposition_maps_every_v1_concept():
     # names layerscope does not map are listed (e.g. the multimodal cache), never an error
     assert "vllm:mm_cache_queries_total" in r.unmapped
     assert not any(n.startswith(("python_", "process_")) for n in r.unmapped)
+
+
+def test_vllm_085_v0_exposition_maps_every_concept_it_exposes():
+    before = parse((V085 / "metrics_before.prom").read_text())
+    # V0 creates its metric families at the first request: before it, only the cache config
+    assert before.num_skipped == 0 and resolve(before).names == {"cache_config": "vllm:cache_config_info"}
+    text = (V085 / "metrics_after.prom").read_text()
+    exp = parse(text)
+    assert exp.num_skipped == 0
+    r = resolve(exp)
+    assert r.family == "vllm"
+    assert set(r.names) == {"running", "waiting", "kv_usage", "preemptions", "prompt_tokens", "generation_tokens",
+                            "requests_finished", "ttft", "itl", "e2e", "queue_time", "prefill_time", "decode_time",
+                            "inference_time", "iteration_tokens", "prompt_len", "output_len", "max_tokens_param",
+                            "cache_config"}
+    assert r.names["kv_usage"] == "vllm:gpu_cache_usage_perc"  # the 0.4-0.10 names
+    assert r.names["itl"] == "vllm:time_per_output_token_seconds"
+    assert r.unmapped == ["vllm:lora_requests_info", "vllm:request_max_num_generation_tokens", "vllm:request_params_n"]
+    assert exp.total("vllm:request_success_total") == 48.0  # the burst bench between the two scrapes
+    _every_family_listed(text)
+    _every_family_listed((V085 / "metrics_bench_serve_after.prom").read_text())
+
+
+def test_vllm_0101_v1_exposition_prefers_the_new_names():
+    text = (V0101 / "metrics_after.prom").read_text()
+    exp = parse(text)
+    assert exp.num_skipped == 0
+    r = resolve(exp)
+    assert set(r.names) == {"running", "waiting", "kv_usage", "preemptions", "prefix_queries", "prefix_hits",
+                            "prompt_tokens", "generation_tokens", "requests_finished", "ttft", "itl", "e2e",
+                            "queue_time", "prefill_time", "decode_time", "inference_time", "iteration_tokens",
+                            "prompt_len", "output_len", "max_tokens_param", "cache_config"}
+    assert r.names["kv_usage"] == "vllm:kv_cache_usage_perc" and r.names["prefix_hits"] == "vllm:prefix_cache_hits_total"
+    assert r.names["itl"] == "vllm:time_per_output_token_seconds"  # inter_token_latency_seconds came in 0.10.2
+    # the deprecated duplicates are listed, and each `_created` gauge belongs to its metric
+    assert r.unmapped == ["vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache_hits_total",
+                          "vllm:gpu_prefix_cache_queries_total", "vllm:request_max_num_generation_tokens",
+                          "vllm:request_params_n"]
+    assert exp.total("vllm:prefix_cache_queries_total") == exp.total("vllm:gpu_prefix_cache_queries_total") > 0
+    for name in ("metrics_before.prom", "metrics_after.prom", "metrics_bench_serve_after.prom"):
+        _every_family_listed((V0101 / name).read_text())
+
+
+def test_vllm_032_exposition_lists_every_family():
+    _every_family_listed((V032 / "metrics_after.prom").read_text())
+
+
+@pytest.mark.parametrize("data,before_name,after_name", [
+    (V032, "metrics_before.prom", "metrics_after.prom"),
+    (V085, "metrics_before.prom", "metrics_after.prom"),  # V0: no histograms before the first request
+    (V085, "metrics_after.prom", "metrics_bench_serve_after.prom"),
+    (V0101, "metrics_before.prom", "metrics_after.prom"),
+    (V0101, "metrics_after.prom", "metrics_bench_serve_after.prom"),
+])
+def test_real_histogram_deltas_agree_with_prometheus_client(data, before_name, after_name):
+    before, after = (data / before_name).read_text(), (data / after_name).read_text()
+    for fam in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                "vllm:request_prefill_time_seconds", "vllm:time_to_first_token_seconds"):
+        hb, ha = parse(before).histogram(fam), parse(after).histogram(fam)
+        sb_, cb_ = (hb[2], hb[3]) if hb else (0.0, 0.0)
+        (sb, cb), (sa, ca) = _reference_hist(before, fam), _reference_hist(after, fam)
+        assert ha[3] - cb_ == ca - cb > 0, fam
+        assert math.isclose(ha[2] - sb_, sa - sb, rel_tol=1e-12), fam
 
 
 def test_vllm_032_histogram_delta_agrees_with_prometheus_client():
@@ -129,6 +208,56 @@ def test_vllm_032_server_log():
     assert log.num_skipped > 100  # every other line: counted, skipped
 
 
+def test_vllm_085_v0_server_log():
+    """vLLM 0.8.5's V0 engine logs the 0.4-0.6 way: the whole argparse Namespace, `Initializing a V0 LLM
+    engine`, `# cpu blocks`, and `Running ... Swapped ... Pending ... GPU KV cache usage` lines."""
+    text = (V085 / "server.log").read_text()
+    log = parse_log(text)
+    assert (log.family, log.version) == ("vllm", "0.8.5.post2")
+    assert log.non_default_args == {}  # 0.8.5 printed no `non-default args` line
+    c = log.config
+    assert (c["port"], c["model"], c["max_seq_len"], c["dtype"]) == (18285, "/tmp/ls-small085", 2048, "torch.bfloat16")
+    assert c["scheduling_policy"] == "fcfs" and c["enforce_eager"] is True  # from the Namespace and the engine line
+    assert "max_num_seqs" not in c and "block_size" not in c  # None in the Namespace: not given, not a value
+    assert (c["num_gpu_blocks"], c["num_cpu_blocks"]) == (32768, 0) and log.max_concurrency == 256.0
+    assert log.attention_backend == "Torch SDPA"
+    lines = [ln for ln in text.splitlines() if "Avg prompt throughput" in ln]
+    assert len(log.stats) == len(lines) == 3
+    first = log.stats[0]
+    assert (first["num_running"], first["num_swapped"], first["num_waiting"], first["kv_usage"]) == (1, 0, 0, 0.0)
+    assert first["prompt_throughput_tok_s"] == 267.3 and first["gen_throughput_tok_s"] == 48.3
+    assert log.num_lines == len(text.splitlines()) and log.num_skipped > 300  # request lines etc.: counted
+
+
+def test_vllm_085_v0_prefix_cache_line():
+    """With --enable-prefix-caching V0 prints `Prefix cache hit rate: GPU: x%, CPU: y%` on a line of
+    its own after each stats line (README: vllm-0.8.5-cpu-v0-prefix, the agentic workload)."""
+    d = DATA / "vllm-0.8.5-cpu-v0-prefix"
+    text = (d / "server.log").read_text()
+    log = parse_log(text)
+    assert log.config["enable_prefix_caching"] is True
+    rates = [float(ln.split("GPU: ")[1].split("%")[0]) / 100 for ln in text.splitlines() if "Prefix cache hit rate" in ln]
+    assert len(log.stats) == len(rates) == 3
+    assert [s["prefix_hit_rate"] for s in log.stats] == rates and max(rates) > 0.5  # the sessions share prefixes
+    exp = parse((d / "metrics_after.prom").read_text())
+    assert exp.num_skipped == 0 and exp.total("vllm:request_success_total") == 32.0
+    _every_family_listed((d / "metrics_after.prom").read_text())
+
+
+def test_vllm_0101_v1_server_log():
+    """An early v1 log: ANSI-coloured process prefixes, `non-default args`, thousands separators."""
+    text = (V0101 / "server.log").read_text()
+    assert "\x1b[1;36m(APIServer" in text
+    log = parse_log(text)
+    assert (log.family, log.version) == ("vllm", "0.10.1.1.post2")
+    assert log.non_default_args == {"host": "127.0.0.1", "port": 18287, "model": "/tmp/ls-small085", "dtype": "bfloat16"}
+    assert log.config["enable_prefix_caching"] is True and log.config["max_num_batched_tokens"] == 2048
+    assert log.kv_cache_tokens == 524288 and log.max_concurrency == 256.0 and log.attention_backend == "Torch SDPA"
+    lines = [ln for ln in text.splitlines() if "Avg prompt throughput" in ln]
+    assert len(log.stats) == len(lines) == 1
+    assert log.stats[0]["prompt_throughput_tok_s"] == 377.9 and log.stats[0]["prefix_hit_rate"] == 0.0
+
+
 def test_log_formats_of_other_versions():
     # formats as printed by vLLM 0.4-0.6 (vllm/engine/metrics.py LoggingStatLogger, see README) and SGLang
     text = "\n".join([
@@ -138,6 +267,7 @@ def test_log_formats_of_other_versions():
         "INFO 04-28 03:37:00 metrics.py:334] Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 20.5 "
         "tokens/s, Running: 4 reqs, Swapped: 0 reqs, Pending: 2 reqs, GPU KV cache usage: 45.2%, CPU KV cache usage: "
         "0.0%.",
+        "INFO 04-28 03:37:00 metrics.py:350] Prefix cache hit rate: GPU: 12.50%, CPU: 0.00%",  # v0.5+: own line
         "[2025-07-18 15:32:52 TP0] Prefill batch. #new-seq: 1, #new-token: 2192, #cached-token: 35, token usage: 0.01, "
         "#running-req: 0, #queue-req: 3",
         "[2025-07-18 15:32:54 TP0] Decode batch. #running-req: 1, #token: 2266, token usage: 0.02, cuda graph: True, "
@@ -149,6 +279,7 @@ def test_log_formats_of_other_versions():
     assert log.version == "0.4.1" and log.config["num_gpu_blocks"] == 1000 and log.config["seed"] == 0
     v0 = log.stats[0]
     assert (v0["num_running"], v0["num_waiting"], v0["num_swapped"], v0["kv_usage"]) == (4, 2, 0, 0.452)
+    assert v0["prefix_hit_rate"] == 0.125 and len(log.stats) == 3
     assert log.stats[1]["kind"] == "prefill" and log.stats[1]["num_cached_tokens"] == 35
     assert log.stats[2]["cuda_graph"] is True and log.stats[2]["gen_throughput_tok_s"] == 3.13
     assert log.config["chunked_prefill_size"] == 8192 and log.config["disable_radix_cache"] is False
