@@ -3,6 +3,10 @@
 ``compare(baseline, candidate)`` returns a Comparison whose ``diagnosis`` is DESIGN.md's
 ``layerscope.diagnosis/1`` object; the per-metric attribution tables, config diff and
 workload diff are kept as DataFrames for the TUI and the reports.
+
+(Just over 400 lines: the headline metrics, their significance and the verdict are one
+pass whose parts share the two analyses; the machine verdict and the cause rules live in
+machine.py and attribution.py.)
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ it when the engine runs this backend, the MLP's gate_up projection fused with it
 SiLU·mul). ``prefill_attention`` is the reference (SDPA). Inputs a
 native kernel does not cover (other dtypes, non-CPU tensors, unusual strides) fall back
 to the reference, so the backend is always correct, only sometimes not faster.
+
+(Just over 400 lines: one ctypes wrapper and fallback check per native kernel, beside the
+build and load of the library they share.)
 """
 
 from __future__ import annotations

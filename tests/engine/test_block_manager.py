@@ -4,6 +4,9 @@ Everything is plain integers (no torch). The tests keep their own model of the K
 every slot a step "computes" records the full token prefix that produced it, so a
 prefix-cache hit is sound iff each slot of each hit block holds exactly the request's
 own prefix at that position.
+
+(Over 400 lines: the state machine and its invariants are one class; the unit tests
+beside it share its helpers.)
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ under into a KV model of the pool (slot by slot), and samples a token for each r
 with ``do_sample``. Every prefix-cache hit the scheduler takes is checked against that
 KV model (soundness), and the scheduler's and block manager's bookkeeping is checked
 after every operation.
+
+(Over 400 lines: the fake model, the state machine and the scenarios share one KV model
+of the pool.)
 """
 
 from __future__ import annotations
