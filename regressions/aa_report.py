@@ -79,7 +79,7 @@ def _power(runs: dict[str, list[RunAnalysis]], slo: dict, draws: int = 40, seed:
     rng = np.random.default_rng(seed)
     base, cand = runs["base"], runs["cand"]
     rows = []
-    for n in sorted({2, 3, 4, len(base)}):
+    for n in sorted({2, 3, 4, 6, 8, 10, 12, 16, len(base)}):  # as many a side as were recorded
         if n > len(base) or n > len(cand):
             continue
         combos = list(itertools.combinations(range(len(base)), n))

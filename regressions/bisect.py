@@ -6,14 +6,17 @@
    repetitions needed, step 2); nothing worse is exit status 1, nothing to bisect.
 2. Size the steps: unless ``--repetitions`` is given, each later step runs
    ``n = ceil(8 z^2 s^2 / d^2)`` repetitions per version (clamped to 2..10), where ``d``
-   is the GOOD -> BAD change and ``s`` the spread of one repetition's value (both
-   relative, from the calibration's repetitions) and z = 2.5: a commit is judged by
+   is the GOOD -> BAD change and ``s`` the spread of one repetition's value (both on the
+   log scale, from the calibration's repetitions) and z = 2.5: a commit is judged by
    which side of the midpoint ``d/2`` it falls on, so ``d/2`` must stand clear of the
    difference of two n-repetition means (error about 1% per step).
 3. Binary search over ``git rev-list --first-parent --ancestry-path GOOD..BAD``: each
    step is a regress session GOOD vs the middle commit (repetitions interleaved, so the
    machine's drift hits both); the commit is bad when its change from GOOD is at least
-   half the GOOD -> BAD change of the metric.
+   half the GOOD -> BAD change of the metric on the log scale (a ratio past the geometric
+   midpoint: 5x from GOOD to BAD puts it at 2.24x, not at 3x). Latencies and rates vary by
+   ratios from run to run (diagnose's spreads are SDs of logs), so a large change measured
+   with a slow GOOD in one session and a fast one in another stays on its side.
 4. Diagnose the first bad commit against its parent (one more session) and print: the
    commit, the metric and its change, the layer (regress's diagnosis; diagnose's
    finding on the representative repetitions when the change is not gated), the config
@@ -117,6 +120,14 @@ def search(commits: list[str], is_bad: Callable[[str], bool]) -> str:
     return commits[hi]
 
 
+def log_worse(metric: str, base: float | None, value: float | None) -> float | None:
+    """``log(value / base)``, signed so that worse is positive (None when either is missing or not positive)."""
+    if base is None or value is None or any(math.isnan(x) for x in (base, value)) or base <= 0 or value <= 0:
+        return None
+    r = math.log(value / base)
+    return -r if metric in HIGHER_IS_BETTER else r
+
+
 def worse_pct(metric: str, base: float | None, value: float | None) -> float | None:
     if base is None or value is None or not base or any(math.isnan(x) for x in (base, value)):
         return None
@@ -132,9 +143,11 @@ def repetitions_needed(metric: str, base_reps: list, bad_reps: list) -> int:
         return MAX_REPETITIONS
     import numpy as np
 
-    mb, mc = float(np.median(b)), float(np.median(c))
-    d = abs(mc - mb) / mb if mb else 0.0
-    s = math.sqrt((np.var(np.asarray(b) / mb, ddof=1) + np.var(np.asarray(c) / mb, ddof=1)) / 2) if mb else 1.0
+    if min(b + c) <= 0:
+        return MAX_REPETITIONS
+    lb, lc = np.log(b), np.log(c)
+    d = abs(float(np.median(lc) - np.median(lb)))
+    s = math.sqrt((np.var(lb, ddof=1) + np.var(lc, ddof=1)) / 2)
     if d <= 0:
         return MAX_REPETITIONS
     return int(min(MAX_REPETITIONS, max(MIN_REPETITIONS, math.ceil(8 * Z ** 2 * s ** 2 / d ** 2))))
@@ -176,6 +189,7 @@ def bisect(suite: Suite, spec: str, out: str | Path, store: str | Path | None = 
     mc = cell["versions"][cand]["metrics"][metric]
     cal_step = Step(good, bad, worse_pct(metric, mb["value"], mc["value"]), mb["value"], mc["value"],
                     cell["comparisons"][cand][metric]["status"], str(cal.session_dir), True)
+    cal_log = log_worse(metric, mb["value"], mc["value"])
     reps = repetitions or repetitions_needed(metric, mb["per_repetition"], mc["per_repetition"])
     result = BisectResult(good, bad, commits, workload, config, metric, reps, cal_step)
     log(f"bisect: {METRICS[metric]} {cal_step.worse_pct:+.1f}% worse from GOOD to BAD ({workload}/{config}); "
@@ -190,7 +204,8 @@ def bisect(suite: Suite, spec: str, out: str | Path, store: str | Path | None = 
         vb = c["versions"][r.versions[0].label]["metrics"][metric]["value"]
         vc = c["versions"][r.versions[1].label]["metrics"][metric]["value"]
         w = worse_pct(metric, vb, vc)
-        bad_ = w is not None and w >= cal_step.worse_pct / 2
+        lw = log_worse(metric, vb, vc)
+        bad_ = lw is not None and lw >= cal_log / 2
         result.steps.append(Step(good, rev, w, vb, vc, c["comparisons"][r.versions[1].label][metric]["status"],
                                  str(r.session_dir), bad_))
         log(f"bisect: {rev[:10]} {_subject(repo_path, rev)!r}: {METRICS[metric]} "

@@ -82,7 +82,9 @@ def test_completions_logprobs_match_transformers(stack, reference):
     assert lp.tokens == [_text(tok, i) for i in want_ids]
     for i, (tid, row) in enumerate(zip(want_ids, rows)):
         assert lp.token_logprobs[i] == pytest.approx(float(row[tid]), abs=1e-4)
-        assert lp.token_logprobs[i] == pytest.approx(float(row.max()), abs=1e-6)  # greedy: the top-1
+        # greedy: no alternative the engine lists beats the chosen token (compared with the engine's own
+        # values: against transformers' only to 1e-4, fp32 sums in another order differ in the last bits)
+        assert lp.token_logprobs[i] >= max(lp.top_logprobs[i].values())
         _check_top(tok, row, lp.top_logprobs[i], tid)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     # each token's text alone: a token holding part of a UTF-8 character shows U+FFFD there

@@ -5,12 +5,13 @@ default change among neutral commits (runs the real engine: about 8 short runs).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from layerscope.regressions.bisect import BisectError, _pick, commit_range, repetitions_needed, search
+from layerscope.regressions.bisect import BisectError, _pick, commit_range, log_worse, repetitions_needed, search
 from layerscope.regressions.regress_cli import main as regress_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,6 +39,15 @@ def test_repetitions_sized_by_effect_and_spread():
     assert 2 < mid <= 10
     assert repetitions_needed("tpot_p50_s", [1.0, 1.1, 0.9], [1.01, 1.11, 0.91]) == 10
     assert repetitions_needed("tpot_p50_s", [1.0], [1.2]) == 10  # no spread measured
+
+
+def test_a_step_is_placed_by_the_geometric_midpoint():
+    # GOOD -> BAD 0.034 -> 0.20 s (5.9x); a step measured 2.6x is past sqrt(5.9) = 2.4x (bad), though
+    # short of the arithmetic midpoint (3.4x); throughput is worse when it falls
+    cal = log_worse("ttft_p50_s", 0.034, 0.20)
+    assert log_worse("ttft_p50_s", 0.05, 0.13) >= cal / 2 > log_worse("ttft_p50_s", 0.05, 0.11)
+    assert log_worse("output_tokens_per_s", 100.0, 50.0) == pytest.approx(math.log(2))
+    assert log_worse("ttft_p50_s", 0.0, 0.1) is None
 
 
 def test_pick_prefers_the_metric_clearest_of_its_spread():
@@ -113,7 +123,7 @@ preset = "tiny"
 [[workloads]]
 name = "burst"
 workload = "burst"
-params = { num_requests = 16, burst_size = 16, burst_interval_s = 0.5, input_len = 32, output_len = 24, output_sigma = 0.1, max_output_len = 28 }
+params = { num_requests = 32, burst_size = 32, burst_interval_s = 0.5, input_len = 32, output_len = 32, output_sigma = 0.1, max_output_len = 36 }
 [configs.default]
 num_threads = 1
 [run]
