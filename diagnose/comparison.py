@@ -95,7 +95,9 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     if any(isinstance(x, (str, Path)) and is_external(x) for x in (baseline, candidate)):
         from layerscope.diagnose.external.analysis import compare_external  # docs/external.md
 
-        return Comparison(diagnosis=compare_external(baseline, candidate, rule=rule))
+        # external engines have priors of their own (stats.RUN_SPREAD_EXTERNAL) unless a rule is given
+        return Comparison(diagnosis=compare_external(baseline, candidate) if rule is DEFAULT_RULE else
+                          compare_external(baseline, candidate, rule=rule))
     a = baseline if isinstance(baseline, RunAnalysis) else RunAnalysis(baseline)
     b = candidate if isinstance(candidate, RunAnalysis) else RunAnalysis(candidate)
     cdiff = config_diff(a.run, b.run)

@@ -18,7 +18,7 @@ import numpy as np
 from layerscope.diagnose.external import measures as ms
 from layerscope.diagnose.external.config import engine_diff
 from layerscope.diagnose.external.run import ExternalRun, load_external
-from layerscope.diagnose.stats import DEFAULT_RULE, Rule, compare_quantile, compare_rate, quantile, sensitivity
+from layerscope.diagnose.stats import EXTERNAL_RULE, Rule, compare_quantile, compare_rate, quantile, sensitivity
 
 SCHEMA = "layerscope.diagnosis/1"
 REPORT_SCHEMA = "layerscope.external-report/1"
@@ -137,14 +137,16 @@ def workload_diff(a: ExternalRun, b: ExternalRun) -> list[dict[str, Any]]:
 
 
 def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun | str | Path, *,
-                     rule: Rule = DEFAULT_RULE) -> dict[str, Any]:
+                     rule: Rule = EXTERNAL_RULE) -> dict[str, Any]:
+    """Two external runs compared with ``rule`` (default: the run-to-run priors measured on real vLLM
+    runs, ``stats.RUN_SPREAD_EXTERNAL``; one pair calls large changes only)."""
     a, b = _as_run(baseline), _as_run(candidate)
     paired = _paired(a, b)
     metrics: dict[str, dict] = {}
     coalesced = {r.name: _coalesced_share(r) for r in (a, b)}
     for name, m, q, kind in LATENCY:
         pair = paired and m != "itl"
-        metrics[name] = compare_quantile(_values(a, m), _values(b, m), q, kind, rule, paired=pair)
+        metrics[name] = compare_quantile(_values(a, m), _values(b, m), q, kind, rule, paired=pair, metric=name)
         if m in ("itl", "tpot") and max(coalesced.values()) >= COALESCED:
             # per-token timings are not measurable when tokens arrive together: never called
             metrics[name].update(significant=False, worse=False, unreliable=(
@@ -152,7 +154,7 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
                 "tokens together): client-side per-token latency is not measurable"))
     ta, tb = a.ok["num_output_tokens"].fillna(0).to_numpy(float), b.ok["num_output_tokens"].fillna(0).to_numpy(float)
     metrics[THROUGHPUT] = compare_rate(ta, np.full(len(ta), a.duration_s / max(len(ta), 1)), tb,
-                                       np.full(len(tb), b.duration_s / max(len(tb), 1)), rule)
+                                       np.full(len(tb), b.duration_s / max(len(tb), 1)), rule, metric=THROUGHPUT)
     for name, concept, _ in SERVER:
         ha, hb = a.hist(concept), b.hist(concept)
         if ha is not None and hb is not None:
@@ -170,18 +172,25 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     for name, concept, layer in SERVER:
         if name in metrics and metrics[name]["significant"]:
             findings.append(server_finding(name, concept, layer, metrics[name], causes, cdiff))
-    worse = [k for k, v in metrics.items() if v["significant"] and v["worse"]]
+    # The verdict is what the users of the server saw: the client-side metrics when both runs have
+    # client records (the server's per-request histograms then explain, they do not decide: a burst's
+    # queue/prefill split moves with its scheduling order while the client sees nothing change), the
+    # server's histograms when that is all there is (an import of /metrics texts).
+    client = {n for n, *_ in LATENCY} | {THROUGHPUT}
+    decides = (lambda k: k in client) if len(a.ok) and len(b.ok) else (lambda k: True)
+    worse = [k for k, v in metrics.items() if v["significant"] and v["worse"] and decides(k)]
     # what got worse first, then the headline metrics first (TTFT p50 leads), then the largest change
     order = [n for n, *_ in LATENCY[:1]] + [n for n, *_ in SERVER] + [n for n, *_ in LATENCY[1:]]
     findings.sort(key=lambda f: (f["metric"] not in worse, order.index(f["metric"]) if f["metric"] in order
                                  else len(order), -abs(f["delta_s"] or 0)))
-    better = [k for k, v in metrics.items() if v["significant"] and not v["worse"]]
+    better = [k for k, v in metrics.items() if v["significant"] and not v["worse"] and decides(k)]
     wl_changed = any(w["material"] for w in wdiff)
     verdict = ("workload_changed" if wl_changed and (worse or better) else "regression" if worse else
                "improvement" if better else "no_change")
     for c in cdiff:  # a changed key is consistent when a finding names the layer it acts on
         c["consistent"] = any(f["layer"] == c["layer"] for f in findings) if c["layer"] and findings else None
-    primary = {"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings else None
+    primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
+               else None)
     return {"schema": SCHEMA, "baseline": a.name, "candidate": b.name, "verdict": verdict, "metrics": metrics,
             "findings": findings, "primary": primary, "config_diff": cdiff, "workload_diff": wdiff,
             "external": {"paired": paired, "server_split": {"baseline": sa, "candidate": sb},
@@ -312,7 +321,7 @@ def _bd_bound(h: tuple[list[float], list[float], float, float], mean: float) -> 
     return max(0.0, (hi - mean) * (mean - lo)) if lo is not None else math.inf
 
 
-def compare_histograms(ha, hb, rule: Rule = DEFAULT_RULE) -> dict:
+def compare_histograms(ha, hb, rule: Rule = EXTERNAL_RULE) -> dict:
     """Compare the means of two histogram deltas (seconds per request) with the rule of
     ``diagnose.stats`` (its floor from the SE and the run-to-run prior, and alpha). Only buckets are
     known, so the test is a z-test with the largest variance the buckets allow (conservative:

@@ -99,6 +99,12 @@ def bench(url: str, workload: str, out: Path, server_log: Path | None = None, *e
 
 
 KV_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+# Sized so that each config change stands clear of vLLM's run-to-run spread (stats.RUN_SPREAD_EXTERNAL:
+# one pair of external runs calls TTFT p50 changes from ~+80%, more with few requests): the burst
+# arrives at once (48 requests: max_num_seqs 2 queues 24 deep), the agentic apps' system prompts are
+# 1024 tokens (what prefix caching saves is most of each prompt's prefill). With the defaults (16 at a
+# time, 192-token prompts) the changes were +134..+259% against floors of 127..221%.
+PARAMS = {"burst": ("--param", "burst_size=48"), "agentic": ("--param", "system_prompt_len=1024")}
 
 
 @pytest.fixture(scope="session")
@@ -117,10 +123,11 @@ def vllm_runs(tmp_path_factory, small_model):
     for name, args, plan in sessions:
         log = root / f"vllm-{name}.log"
         with server(vllm_argv(py, model, *args), log, KV_ENV) as url:
-            for workload in dict.fromkeys(w for w, _ in plan):  # a whole warm-up run per workload, not kept:
-                bench(url, workload, root / f"warm-{name}-{workload}")  # compiled shapes, filled caches
+            # a whole warm-up run per workload, not kept: compiled shapes, filled caches
+            for workload in dict.fromkeys(w for w, _ in plan):
+                bench(url, workload, root / f"warm-{name}-{workload}", None, *PARAMS.get(workload, ()))
             for workload, key in plan:
-                out[key] = bench(url, workload, root / key, log)
+                out[key] = bench(url, workload, root / key, log, *PARAMS.get(workload, ()))
     return out
 
 
@@ -131,7 +138,7 @@ def live():
     """The helpers above, for tests (conftest modules are not importable by name)."""
     import types
 
-    return types.SimpleNamespace(server=server, free_port=free_port, bench=bench, vllm_argv=vllm_argv)
+    return types.SimpleNamespace(server=server, free_port=free_port, bench=bench, vllm_argv=vllm_argv, params=PARAMS)
 
 
 @pytest.fixture(scope="session")

@@ -237,3 +237,21 @@ def test_diagnose_cli_on_external_bundles(tmp_path, capsys):
     assert d["schema"] == "layerscope.diagnosis/1" and d["verdict"] == "no_change"
     assert d["metrics"]["ttft_p50_s"]["n_baseline"] == 60  # the client records are used
     assert "client" in d["external"]["visibility"]["candidate"]["seen"]
+
+
+def test_the_clients_decide_the_verdict_when_there_are_clients(tmp_path):
+    """Two identical burst runs against our server in the vLLM dialect with probes off (recorded by
+    tests/external/test_live_dialect.py on 2026-12-01): the server's mean prefill time per request moved
+    +156% (a burst's scheduling order) while no client-side metric moved significantly. With client
+    records that is no_change; from the server's /metrics alone it is all the evidence there is."""
+    pair = DATA / "layerscope-dialect-burst-aa"
+    d = compare_external(pair / "a", pair / "b")
+    assert d["metrics"]["server_prefill_time_mean_s"]["significant"]
+    assert d["metrics"]["server_prefill_time_mean_s"]["delta_pct"] > 100
+    assert not any(d["metrics"][m]["significant"] for m in ("ttft_p50_s", "tpot_p50_s", "e2e_p50_s"))
+    assert d["verdict"] == "no_change" and d["primary"] is None
+    for side in ("a", "b"):
+        assert main(["import", "metrics", str(pair / side / "metrics_before.prom"), str(pair / side / "metrics.prom"),
+                     "--out", str(tmp_path / side)]) == 0
+    d = compare_external(tmp_path / "a", tmp_path / "b")
+    assert d["verdict"] == "regression" and d["primary"]["metric"] == "server_prefill_time_mean_s", d["findings"][:1]

@@ -27,7 +27,8 @@ def test_max_num_seqs_under_burst_is_engine_queue(vllm_runs):
 
 def test_prefix_caching_off_on_agentic_is_engine_kv(vllm_runs):
     d = _diag(vllm_runs["agentic1"], vllm_runs["noprefix"])
-    assert d["verdict"] == "regression"
+    assert d["verdict"] == "regression", ({k: (v["delta_pct"], v["significant"]) for k, v in d["metrics"].items()},
+                                          d["findings"][:3])
     assert d["primary"]["layer"] == "engine.kv", d["findings"][:2]
     assert "enable_prefix_caching" in [c["key"] for c in d["config_diff"]]
 
