@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -67,10 +68,11 @@ def test_first_and_third_run_of_a_workload_are_within_noise(tiny_model):
 
     gateway = Gateway(EngineConfig.from_overrides(model=str(tiny_model), num_kv_blocks=512), num_replicas=1,
                       recorders=None, served_model_name="tiny")
-    spec = builtin("offline", num_requests=24, output_len=24)
+    # runs of ~1 s: a 0.1 s run (24 x 24 tokens) moved 2x from one repetition to the next here
+    spec = builtin("offline", num_requests=96, output_len=48)
     with serving(gateway) as url:
         reqs = spec.build(gateway.tokenizer)
         with server_in_process():
             tps = [run_load(url, spec, reqs).summary()["output_tokens_per_s"] for _ in range(3)]
     print(f"\noutput tok/s of three identical runs after warm-up: {[round(t) for t in tps]}")
-    assert tps[0] > 0.5 * tps[2], tps
+    assert tps[0] > 0.5 * statistics.median(tps[1:]), tps
