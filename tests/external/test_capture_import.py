@@ -171,16 +171,21 @@ def test_import_real_vllm_bench_serve_result(tmp_path):
     assert m["engine"]["family"] == "vllm" and m["workload"]["num_requests"] == 24
 
 
+def _import_recorded_bench(rec: Path, out: Path) -> Path:
+    """``import vllm-bench`` of a recording's bench_serve.json with its metrics around the bench and its log."""
+    assert main(["import", "vllm-bench", str(rec / "bench_serve.json"), "--out", str(out), "--metrics",
+                 str(rec / "metrics_after.prom"), str(rec / "metrics_bench_serve_after.prom"),
+                 "--server-log", str(rec / "server.log")]) == 0
+    return out
+
+
 def test_import_real_vllm_085_bench_serve_result(tmp_path):
     """A real vLLM 0.8.5 `vllm bench serve --save-result` JSON (README): no `latencies`, no
     `start_times`; latency is ttft + sum(itls), which is how its client measured it."""
     src = V085 / "bench_serve.json"
     d = json.loads(src.read_text())
     assert "latencies" not in d and "start_times" not in d
-    out = tmp_path / "vb085"
-    assert main(["import", "vllm-bench", str(src), "--out", str(out), "--metrics",
-                 str(V085 / "metrics_after.prom"), str(V085 / "metrics_bench_serve_after.prom"),
-                 "--server-log", str(V085 / "server.log")]) == 0
+    out = _import_recorded_bench(V085, tmp_path / "vb085")
     s = summarize_external(out)
     assert s["requests"] == s["requests_finished"] == d["completed"] == 24
     assert s["latency"]["ttft"]["p50"] == pytest.approx(d["median_ttft_ms"] / 1e3, rel=1e-6)
@@ -201,10 +206,7 @@ def test_import_real_vllm_0101_bench_serve_detailed(tmp_path):
     """vLLM 0.10.1's `--save-detailed` JSON (README): per-request lists, still no latencies."""
     src = V0101 / "bench_serve.json"
     d = json.loads(src.read_text())
-    out = tmp_path / "vb0101"
-    assert main(["import", "vllm-bench", str(src), "--out", str(out), "--metrics",
-                 str(V0101 / "metrics_after.prom"), str(V0101 / "metrics_bench_serve_after.prom"),
-                 "--server-log", str(V0101 / "server.log")]) == 0
+    out = _import_recorded_bench(V0101, tmp_path / "vb0101")
     s = summarize_external(out)
     assert s["requests"] == s["requests_finished"] == d["completed"] == 24
     assert s["latency"]["ttft"]["p50"] == pytest.approx(d["median_ttft_ms"] / 1e3, rel=1e-6)
