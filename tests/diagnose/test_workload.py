@@ -39,3 +39,39 @@ def test_spec_change_is_material_and_seed_is_not(synth):
 def test_closed_loop_spec():
     assert is_closed_loop({"name": "chat", "concurrency": 8})
     assert not is_closed_loop({"name": "chat", "rate_per_s": 8})
+
+
+def _sent_faster(run, factor: float):
+    """The same run, its client's send times squeezed by ``factor`` (a client that sent sooner)."""
+    from layerscope.diagnose.load import Run
+
+    r = run.requests.copy()
+    t0 = r["client_send_ns"].min()
+    r["client_send_ns"] = t0 + (r["client_send_ns"] - t0) * factor
+    return Run(run.path, run.manifest, frames={"requests": r})
+
+
+def test_client_promptness_under_one_schedule_is_not_a_workload_change(synth):
+    """The same spec and seed fix the send schedule: send times 40% sooner (a client on a quieter
+    machine) are reported but not material; without the spec the same difference is measured."""
+    a = load_run(synth(seed=1))
+    b = _sent_faster(a, 0.6)
+    wd = workload_diff(a, b).set_index("feature")
+    assert wd.loc["arrival_rate_per_s", "delta_pct"] > 50  # the measured rate did move
+    assert not wd["material"].any() and "same spec and seed" in wd.loc["arrival_rate_per_s", "note"]
+    bare = load_run(synth(seed=1, record_workload_spec=False))
+    wd = workload_diff(bare, _sent_faster(bare, 0.6)).set_index("feature")
+    assert wd.loc["arrival_rate_per_s", "material"]
+    # another seed under the same spec is another draw: the measured test decides
+    c = load_run(synth(seed=2, arrival_rate_per_s=160.0))
+    wd = workload_diff(a, c).set_index("feature")
+    assert wd.loc["arrival_rate_per_s", "material"] and wd.loc["spec.arrival_rate_per_s", "material"]
+
+
+def test_a_burst_schedule_is_its_spec():
+    from layerscope.diagnose.workload import same_schedule
+
+    a = {"kind": "burst", "seed": 1, "burst_size": 32, "burst_interval_s": 0.5}
+    assert "burst" in same_schedule(a, dict(a, seed=2))
+    assert same_schedule(a, dict(a, seed=2, burst_size=16)) == ""
+    assert same_schedule(a, {}) == "" and same_schedule({"kind": "chat", "seed": 1}, {"kind": "chat", "seed": 2}) == ""
