@@ -75,15 +75,26 @@ def _decide(base, cand, slo, metric) -> bool:
     return bool(c["worse"] and (lv["worse"] if len(base) >= 2 and len(cand) >= 2 else True))
 
 
+def _subsets(size: int, n: int, draws: int, rng) -> list[tuple[int, ...]]:
+    """Up to ``draws`` distinct n-subsets of range(size), drawn at random (all of them when there
+    are no more than ``draws``; never listing C(size, n) of them: C(30, 15) is 155 million)."""
+    total = math.comb(size, n)
+    if total <= draws:
+        return list(itertools.combinations(range(size), n))
+    seen: set[tuple[int, ...]] = set()
+    while len(seen) < draws:
+        seen.add(tuple(sorted(rng.choice(size, n, replace=False).tolist())))
+    return sorted(seen)
+
+
 def _power(runs: dict[str, list[RunAnalysis]], slo: dict, draws: int = 40, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     base, cand = runs["base"], runs["cand"]
     rows = []
-    for n in sorted({2, 3, 4, 6, 8, 10, 12, 16, len(base)}):  # as many a side as were recorded
+    for n in sorted({2, 3, 4, 6, 8, 10, 12, 15, 16, 20, len(base)}):  # as many a side as were recorded
         if n > len(base) or n > len(cand):
             continue
-        combos = list(itertools.combinations(range(len(base)), n))
-        pick = [combos[i] for i in rng.choice(len(combos), size=min(draws, len(combos)), replace=False)]
+        pick = _subsets(len(base), n, draws, rng)
         for metric in POWER_METRICS:
             hit = sum(_decide([base[i] for i in s], [cand[j] for j in rng.choice(len(cand), n, replace=False)], slo,
                               metric) for s in pick)
