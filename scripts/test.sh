@@ -8,7 +8,7 @@ report=$(mktemp --suffix=.xml)
 rc=0
 # the import contracts (.importlinter) first: a broken contract fails the run (pytest still runs)
 bash scripts/lint_imports.sh || rc=$?
-.venv/bin/python -m pytest -q --junitxml="$report" "$@" || rc=$?
+.venv/bin/python -m pytest -q --durations=25 --junitxml="$report" "$@" || rc=$?
 # pytest's own closing line goes missing in some full runs here; print the plain
 # "N passed, N failed" closing line from the JUnit report so it is always there.
 .venv/bin/python - "$report" <<'PY' || true
