@@ -69,10 +69,11 @@ def _spread(runs: dict[str, list[RunAnalysis]], slo: dict) -> dict[str, dict]:
     return out
 
 
-def _decide(base, cand, slo, metric) -> bool:
-    c = compare_versions(base, cand, slo)[metric]
-    lv = c["run_level"]
-    return bool(c["worse"] and (lv["worse"] if len(base) >= 2 and len(cand) >= 2 else True))
+def _decide(base, cand, slo) -> dict[str, bool]:
+    """regress's decision per power metric for one draw (one pooled comparison for all of them)."""
+    c = compare_versions(base, cand, slo)
+    both = len(base) >= 2 and len(cand) >= 2
+    return {m: bool(c[m]["worse"] and (c[m]["run_level"]["worse"] if both else True)) for m in POWER_METRICS}
 
 
 def _subsets(size: int, n: int, draws: int, rng) -> list[tuple[int, ...]]:
@@ -95,20 +96,25 @@ def _power(runs: dict[str, list[RunAnalysis]], slo: dict, draws: int = 40, seed:
         if n > len(base) or n > len(cand):
             continue
         pick = _subsets(len(base), n, draws, rng)
-        for metric in POWER_METRICS:
-            hit = sum(_decide([base[i] for i in s], [cand[j] for j in rng.choice(len(cand), n, replace=False)], slo,
-                              metric) for s in pick)
-            fa, fa_n = 0, 0
+        hit = dict.fromkeys(POWER_METRICS, 0)
+        fa = dict.fromkeys(POWER_METRICS, 0)
+        fa_n = 0
+        for s in pick:
+            d = _decide([base[i] for i in s], [cand[j] for j in rng.choice(len(cand), n, replace=False)], slo)
+            for m in POWER_METRICS:
+                hit[m] += d[m]
             if 2 * n <= len(base):  # A/A: two disjoint draws from one version, both versions
-                for s in pick:
-                    for pool in (base, cand):
-                        rest = [i for i in range(len(pool)) if i not in s]
-                        other = list(rng.choice(rest, n, replace=False))
-                        fa += _decide([pool[i] for i in s], [pool[i] for i in other], slo, metric)
-                        fa += _decide([pool[i] for i in other], [pool[i] for i in s], slo, metric)
-                        fa_n += 2
-            rows.append({"n": n, "metric": metric, "draws": len(pick), "detected": hit / len(pick),
-                         "false_alarm": fa / fa_n if fa_n else None, "false_alarm_draws": fa_n})
+                for pool in (base, cand):
+                    rest = [i for i in range(len(pool)) if i not in s]
+                    other = list(rng.choice(rest, n, replace=False))
+                    for x, y in ((s, other), (other, s)):
+                        d = _decide([pool[i] for i in x], [pool[i] for i in y], slo)
+                        for m in POWER_METRICS:
+                            fa[m] += d[m]
+                    fa_n += 2
+        for m in POWER_METRICS:
+            rows.append({"n": n, "metric": m, "draws": len(pick), "detected": hit[m] / len(pick),
+                         "false_alarm": fa[m] / fa_n if fa_n else None, "false_alarm_draws": fa_n})
     return rows
 
 

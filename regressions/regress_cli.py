@@ -115,15 +115,19 @@ def _pct(text: str) -> float:
 
 
 def sensitivity_lines(result) -> list[str]:
-    """Per cell and candidate: each metric's MDE at these repetitions and, with --target-mde,
-    the repetitions per version that target needs (stats.repetitions_needed)."""
+    """Per cell and candidate: each metric's MDE at these repetitions (the gate's: the larger of
+    its two tests') and, with --target-mde, the repetitions per version that target needs
+    (stats.repetitions_needed at the pooled test's alpha)."""
     out = []
     for cell in result.cells:
         for label, comps in cell["comparisons"].items():
             parts = []
             for m, g in comps.items():
                 lv = g.get("run_level") or {}
-                mde = lv.get("mde_pct") if lv.get("mde_pct") is not None else g.get("mde_pct")
+                # the gate needs both tests: its MDE is the larger of the run-level t-test's and the
+                # pooled comparison's (alpha 0.01)
+                mdes = [x for x in (lv.get("mde_pct"), g.get("mde_pct")) if x is not None and x == x]
+                mde = max(mdes) if mdes else None
                 txt = f"{m} MDE {mde:.0f}%" if mde is not None else f"{m} MDE n/a"
                 if g.get("target_mde_pct"):
                     need = g.get("repetitions_needed")

@@ -29,7 +29,28 @@ def test_target_mde_says_how_many_repetitions():
     base, cand = [1.00, 1.05, 0.95, 1.02], [1.01, 0.97, 1.04, 0.99]
     g = _gate("tpot_p50_s", _comp(base, cand, worse=False), 5.0, base, cand, target_mde_pct=10.0)
     assert g["spread_source"] == "measured" and g["repetitions_needed"] >= 2
+    # sized at the pooled test's alpha (0.01), the stricter of the gate's two tests (docs/diagnose.md §2.6)
+    from layerscope.diagnose.stats import repetitions_needed
+
+    spread = g["run_level"]["spread"]
+    assert g["repetitions_needed"] == repetitions_needed(spread, 10.0, alpha=0.01) > repetitions_needed(spread, 10.0)
     wide = _gate("tpot_p50_s", _comp(base, cand, worse=False), 5.0, base, cand, target_mde_pct=50.0)
     assert wide["repetitions_needed"] <= g["repetitions_needed"]
     prior = _gate("tpot_p50_s", _comp([1.0], [1.0], worse=False), 5.0, [1.0], [1.0], target_mde_pct=10.0)
     assert prior["spread_source"] == "prior" and prior["repetitions_needed"] >= 2
+
+
+def test_sensitivity_lines_state_the_gates_mde():
+    """The gate needs the pooled test and the run-level test: its MDE is the larger of theirs."""
+    from types import SimpleNamespace
+
+    from layerscope.regressions.regress_cli import sensitivity_lines
+
+    g = {"mde_pct": 31.0, "run_level": {"mde_pct": 22.0}, "target_mde_pct": 10.0, "repetitions_needed": 26,
+         "spread_source": "measured"}
+    h = {"mde_pct": None, "run_level": {"mde_pct": 12.0}}
+    result = SimpleNamespace(cells=[{"workload": "chat", "config": "default",
+                                     "comparisons": {"B": {"tpot_p50_s": g, "ttft_p50_s": h}}}])
+    [line] = sensitivity_lines(result)
+    assert line == ("sensitivity chat/default B: tpot_p50_s MDE 31% (26 reps for 10%, measured spread); "
+                    "ttft_p50_s MDE 12%")
