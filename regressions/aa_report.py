@@ -92,7 +92,7 @@ def _power(runs: dict[str, list[RunAnalysis]], slo: dict, draws: int = 40, seed:
     rng = np.random.default_rng(seed)
     base, cand = runs["base"], runs["cand"]
     rows = []
-    for n in sorted({2, 3, 4, 6, 8, 10, 12, 15, 16, 20, len(base)}):  # as many a side as were recorded
+    for n in sorted({2, 3, 4, 6, 8, 10, 12, 15, 16, 20, 24, 26, 30, len(base)}):  # up to as many as were recorded
         if n > len(base) or n > len(cand):
             continue
         pick = _subsets(len(base), n, draws, rng)
