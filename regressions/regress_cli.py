@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import json
+import math
 import sys
 
 
@@ -126,7 +127,7 @@ def sensitivity_lines(result) -> list[str]:
                 lv = g.get("run_level") or {}
                 # the gate needs both tests: its MDE is the larger of the run-level t-test's and the
                 # pooled comparison's (alpha 0.01)
-                mdes = [x for x in (lv.get("mde_pct"), g.get("mde_pct")) if x is not None and x == x]
+                mdes = [x for x in (lv.get("mde_pct"), g.get("mde_pct")) if x is not None and not math.isnan(x)]
                 mde = max(mdes) if mdes else None
                 txt = f"{m} MDE {mde:.0f}%" if mde is not None else f"{m} MDE n/a"
                 if g.get("target_mde_pct"):
