@@ -176,6 +176,16 @@ class Causes:
             r["collective"] = cb / ca
         return r
 
+    def step_ratio(self) -> float:
+        """Candidate / baseline time of a whole step (host + model + output) at equal batch size;
+        NaN without a baseline step time."""
+        e = self.expected
+        base = e["host"] + e["model"] + e["output"]
+        if not base > 0:
+            return math.nan
+        moved = sum(_z(self.phase.get(k)) for k in ("engine.schedule", "model.forward", "engine.output"))
+        return (base + moved) / base
+
     def standout_phase(self, worse: bool, factor: float = 1.5, min_share: float = 0.1) -> dict | None:
         """A step phase that changed (in the direction ``worse``: slower) by ``factor`` beyond the
         median phase's factor and by at least ``min_share`` of the baseline's step time: what a

@@ -140,7 +140,7 @@ def _follow(args: argparse.Namespace) -> int:
 
 def cmd_config_diff(args: argparse.Namespace) -> int:
     from layerscope.diagnose import render
-    from layerscope.diagnose.config_diff import config_diff, diff_records
+    from layerscope.diagnose.config_diff import config_diff, diff_records, source_text
 
     try:
         records = diff_records(config_diff(args.a, args.b))
@@ -148,7 +148,7 @@ def cmd_config_diff(args: argparse.Namespace) -> int:
         print(f"layerscope: error: {e}", file=sys.stderr)
         return 2
     rows = [[r["kind"], r["key"], str(r["baseline"]), str(r["candidate"]), r["layer"] or "any",
-             f"{r['baseline_source']} -> {r['candidate_source']}" if r["baseline_source"] else ""] for r in records]
+             source_text(r["baseline_source"], r["candidate_source"])] for r in records]
     blocks = [("title", f"config diff: {args.a} vs {args.b}   {len(records)} differences")]
     if rows:
         blocks.append(("table", (["kind", "key", "A", "B", "acts on", "set/default"], rows)))

@@ -22,7 +22,7 @@ import pandas as pd
 
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
-from layerscope.diagnose.config_diff import can_move, config_diff, diff_records, mark_consistency
+from layerscope.diagnose.config_diff import can_move, change_text, config_diff, diff_records, mark_consistency
 from layerscope.diagnose.load import Run
 from layerscope.diagnose.machine import machine_diff, machine_json, machine_relevant, machine_verdict, unstable
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_means, compare_quantile, compare_rate, sensitivity
@@ -173,7 +173,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     changed_layers = {f["layer"] for f in findings} | {lyr for f in findings for lyr in f.pop("_measured")}
     cdiff = mark_consistency(cdiff, changed_layers if verdict != "no_change" else set())
     for f in findings:
-        f["config_changes"] = [_change_text(r) for r in cdiff.itertuples() if can_move(r.layer, {f["layer"]})]
+        f["config_changes"] = [change_text(r) for r in cdiff.to_dict("records") if can_move(r["layer"], {f["layer"]})]
     primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
                else None)
     if primary is not None and findings[0].get("alternatives"):  # can't tell: the layer both share, both named
@@ -398,11 +398,6 @@ def _workload_finding(metrics: dict, wdiff: pd.DataFrame) -> dict:
                      "a regression of the system", "evidence": ev, "config_changes": [], "alternatives": [],
             "_score": math.inf,
             "_measured": []}
-
-
-def _change_text(r) -> str:
-    src = f" ({r.baseline_source} -> {r.candidate_source})" if r.baseline_source else ""
-    return f"{r.key} {r.baseline} -> {r.candidate}{src}"
 
 
 def _fmt(v: Any) -> str:

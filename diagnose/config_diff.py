@@ -181,6 +181,22 @@ def can_move(layer: str | None, changed: set[str]) -> bool:
     return bool(CAN_MOVE.get(layer, frozenset({layer})) & changed)
 
 
+def source_text(baseline_source: Any, candidate_source: Any) -> str:
+    """Where a config key's two values came from: ``default changed`` (both defaults: the default
+    itself moved), ``set -> default``; "" for keys without a source (resolved, version, hardware)."""
+    sa, sb = (None if s is None or (isinstance(s, float) and s != s) else s for s in (baseline_source, candidate_source))
+    if sa is None and sb is None:
+        return ""
+    return "default changed" if sa == sb == "default" else f"{sa} -> {sb}"
+
+
+def change_text(row: Mapping[str, Any]) -> str:
+    """One entry of a config diff in words: ``max_num_seqs 64 -> 2 (default changed)``,
+    ``num_kv_blocks 32 -> 4`` (no source: a resolved value)."""
+    src = source_text(row.get("baseline_source"), row.get("candidate_source"))
+    return f"{row['key']} {row['baseline']} -> {row['candidate']}" + (f" ({src})" if src else "")
+
+
 def diff_records(diff: pd.DataFrame) -> list[dict[str, Any]]:
     """The diff as JSON-ready dicts (DESIGN.md's ``config_diff`` list)."""
     return [{k: _jsonable(v) for k, v in row.items()} for row in diff.to_dict("records")]

@@ -45,6 +45,7 @@ MIN_CPU_SHARE = 0.10  # ... and this share of the usable CPUs
 MIN_WAIT_SHARE = 0.10  # or the run's CPU wait share differs by this (a saturated machine)
 CONTENTION_P = 0.01
 SPEED_RATIO = 1.10
+STEP_NOISE = 1.03  # a slower machine makes a step at equal batch size at least this much slower
 UNSTABLE_RANGE = 1.25  # the yardstick's slowest/fastest over both runs: the machine's speed varied
 SPEED_P = 0.05
 
@@ -194,6 +195,12 @@ def machine_relevant(env: dict[str, Any]) -> bool:
 
 
 # ---- what the comparison does with it ----------------------------------------------------------
+def _worse(name: str, metric: dict) -> bool:
+    """The candidate is worse on this metric."""
+    d = metric.get("delta_pct") or 0.0
+    return (d > 0) == _higher_is_worse(name)
+
+
 def _higher_is_worse(name: str) -> bool:
     return not name.startswith(("output_tokens_per_s", "goodput"))
 
@@ -208,7 +215,20 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     difference is added to its evidence. ``interleaved``: see ``machine_explains``."""
     sig = [n for n, m in metrics.items() if m["significant"]]
     explained = [n for n in sig if machine_explains(metrics[n], _higher_is_worse(n), env, interleaved)]
-    note = "the machine differed too: " + "; ".join(e for e in env["evidence"])
+    note = ("the machine differed too: " if env.get("changed") else "the machine: ") + "; ".join(env["evidence"])
+    if explained and not env.get("changed"):
+        # The machine's speed only varied (it did not differ between the runs): it reaches the
+        # latencies through slower steps. When a step at equal batch size did not take measurably
+        # longer in the slower run (or less in the faster one), the machine did not do it: the
+        # requests waited for something else (routing, scheduling, admission).
+        sr = causes.step_ratio()
+        if not math.isnan(sr):
+            kept_by_steps = [n for n in explained if (sr >= STEP_NOISE if _worse(n, metrics[n]) else sr <= 1 / STEP_NOISE)]
+            if len(kept_by_steps) < len(explained):
+                note = (f"the machine's speed varied while the runs were recorded, but a step at equal batch "
+                        f"size took x{sr:.2f} the time in the candidate: the machine does not explain "
+                        f"{', '.join(n for n in explained if n not in kept_by_steps)}; " + note)
+                explained = kept_by_steps
     if not explained:
         for f in findings:
             f["evidence"].append(note)

@@ -147,7 +147,10 @@ def comparison_lines(d: dict[str, Any], attribution: dict | None = None) -> list
     if changed:
         blocks.append(("heading", "config and environment changes"))
         for c in changed:
-            src = f", {c['baseline_source']} -> {c['candidate_source']}" if c.get("baseline_source") else ""
+            from layerscope.diagnose.config_diff import source_text
+
+            src = source_text(c.get("baseline_source"), c.get("candidate_source"))
+            src = f", {src}" if src else ""
             cons = {True: "consistent with the measured change", False: "NOT consistent with the measured change",
                     None: "no measured change to compare"}[c["consistent"]]
             blocks.append(("text", f"{c['kind']:8s} {c['key']} {c['baseline']} -> {c['candidate']}"

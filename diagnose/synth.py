@@ -109,6 +109,7 @@ class SynthSpec:
     # machine evidence (probes/machine.py): None writes none (an older bundle)
     outside_cpu_cores: float | None = None  # other processes' CPU use while the run was recorded
     yardstick_s: float = 0.1  # the fixed yardstick's time (a slower machine: larger)
+    yardstick_spike: float = 1.0  # the first timing after the load this many times slower (a slow spell)
     # probes
     layer_timing_interval: int = 16
     profile_windows: int = 2  # kernel profiler windows of 4 steps each (0: none)
@@ -497,6 +498,7 @@ def _machine(spec: SynthSpec, out: Path, duration_ns: int) -> dict[str, Any]:
         cols[c] = np.full(n, np.nan)
     pq.write_table(pa.Table.from_pydict(cols, schema=schema.MACHINE), out / "machine.parquet")
     ys = (spec.yardstick_s * np.exp(rng.normal(0, 0.02, 6))).tolist()
+    ys[3] *= spec.yardstick_spike
     return {"sample_interval_s": 0.25, "num_samples": n, "cpus_usable": 2,
             "yardstick": {"work": "synthetic", "before_s": ys[:3], "after_s": ys[3:], "median_s": float(np.median(ys))},
             "outside_cpu_cores_mean": float(outside.mean()), "outside_cpu_cores_p90": float(np.quantile(outside, 0.9)),

@@ -247,7 +247,7 @@ def _pick(result, metric: str | None) -> tuple[str, str, str] | None:
 
 
 def _diagnosis(result, metric: str, repo: Path, parent: str, commit: str) -> dict[str, Any]:
-    from layerscope.regressions.gate import change_text
+    from layerscope.diagnose.config_diff import change_text
     from layerscope.regressions.zoo import diagnose_layer
 
     cand = result.versions[1].label

@@ -48,7 +48,8 @@ CASES: tuple[Case, ...] = (
     # 8 sequences per replica, or the tiny model batches its ~58 requests in one step nearly for
     # free and the skew costs nothing (measured on a quiet machine: TTFT p50 -11%)
     Case("router.skew", "gateway.route", {"faults": {"router.skew": 0.9}},
-         {"replicas": 2, "config": {"num_threads": 1, "max_num_seqs": 8}}, workload=BURST),
+         {"replicas": 2, "config": {"num_threads": 1, "max_num_seqs": 8}},
+         workload={**BURST, "output_len": 48, "max_output_len": 96}),
     Case("engine.step_overhead_ms", "engine.schedule", {"faults": {"engine.step_overhead_ms": 8}}),
     Case("model.layer_delay", "model.forward", {"faults": {"model.layer_delay": "layers.1.mlp:6"}}),
     Case("kernel.slowdown", "kernel.compute", {"faults": {"kernel.slowdown": 4}}, {"profile": "kernels"}),

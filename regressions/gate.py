@@ -158,7 +158,7 @@ def _regression(v: Version, workload: str, config: str, metric: str, cell: dict,
     findings = [f for f in d.get("findings", []) if f["metric"] == metric]  # never another metric's
     f = findings[0] if findings else None
     layer = f["layer"] if f else (d.get("layer_by_metric", {}).get(metric) or {}).get("layer")
-    from layerscope.diagnose.config_diff import can_move
+    from layerscope.diagnose.config_diff import can_move, change_text
 
     changes = [change_text(r) for r in result.config_diffs.get(v.label, [])
                if r["kind"] == "config" and (layer is None or can_move(r["layer"], {layer}))]
@@ -182,8 +182,3 @@ def _config_diff(ok: list[PlannedRun], base: Version, v: Version) -> list[dict]:
     return []
 
 
-def change_text(row: dict) -> str:
-    """``max_num_seqs 64 -> 2 (default changed)`` / ``(set -> default)``."""
-    sa, sb = row.get("baseline_source"), row.get("candidate_source")
-    src = "default changed" if sa == sb == "default" else f"{sa} -> {sb}"
-    return f"{row['key']} {row['baseline']} -> {row['candidate']} ({src})"

@@ -25,7 +25,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from layerscope.regressions.gate import change_text
+from layerscope.diagnose.config_diff import source_text
 from layerscope.regressions.regress import EXIT_OK, EXIT_REGRESSION
 from layerscope.regressions.suite import HIGHER_IS_BETTER, METRICS
 
@@ -183,9 +183,7 @@ def _config_blocks(result, v) -> list[tuple[str, Any]]:
         return out
     rows = []
     for r in diff:
-        src = ""
-        if r.get("baseline_source"):
-            src = change_text(r).rsplit("(", 1)[1].rstrip(")")
+        src = source_text(r.get("baseline_source"), r.get("candidate_source"))
         rows.append([r["kind"], r["key"], str(r["baseline"]), str(r["candidate"]), r.get("layer") or "any", src])
     out.append(("table", (["kind", "key", base, v.label, "acts on", "source"], rows)))
     return out

@@ -88,3 +88,18 @@ def test_manifest_config_layers_take_precedence(synth, tmp_path):
     m["config_layers"] = {"max_num_seqs": "engine.schedule"}  # a future engine moved the key
     (b / "manifest.json").write_text(json.dumps(m))
     assert config_diff(a, b).set_index("key").loc["max_num_seqs", "layer"] == "engine.schedule"
+
+
+def test_change_text_says_where_each_value_came_from():
+    from layerscope.diagnose.config_diff import change_text, source_text
+
+    row = {"key": "block_size", "baseline": 16, "candidate": 128, "baseline_source": "default",
+           "candidate_source": "default"}
+    assert change_text(row) == "block_size 16 -> 128 (default changed)"
+    assert change_text({**row, "baseline_source": "set"}) == "block_size 16 -> 128 (set -> default)"
+    # a resolved value has no source: None from JSON, NaN from a DataFrame; neither is printed
+    for missing in (None, float("nan")):
+        resolved = {"key": "num_kv_blocks", "baseline": 32, "candidate": 4, "baseline_source": missing,
+                    "candidate_source": missing}
+        assert change_text(resolved) == "num_kv_blocks 32 -> 4"
+        assert source_text(missing, missing) == ""
