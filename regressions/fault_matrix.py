@@ -45,8 +45,11 @@ CASES: tuple[Case, ...] = (
     Case("gateway.delay_ms", "gateway.queue", {"faults": {"gateway.delay_ms": 150}}),
     # a burst (64 requests at t=0): one of two replicas taking 90% of it is overloaded; one
     # thread per replica, or on two cores an idle replica would just lend its CPU to the busy one;
-    # 8 sequences per replica, or the tiny model batches its ~58 requests in one step nearly for
-    # free and the skew costs nothing (measured on a quiet machine: TTFT p50 -11%)
+    # 8 sequences per replica and 48-token outputs, or the tiny model batches its ~58 requests in a
+    # few steps nearly for free and the skew costs little. Measured on a quiet machine
+    # (2026-12-02): 16-token outputs and no limit, TTFT p50 -11%; 8 sequences, 48 tokens: +110%,
+    # +38%, once not significant; 4 sequences: -4% (the overloaded replica's steps were x0.6 as
+    # long: two replicas, the gateway and the client share two cores, and alone it had one).
     Case("router.skew", "gateway.route", {"faults": {"router.skew": 0.9}},
          {"replicas": 2, "config": {"num_threads": 1, "max_num_seqs": 8}},
          workload={**BURST, "output_len": 48, "max_output_len": 96}),
