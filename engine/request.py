@@ -44,6 +44,15 @@ class RequestEvent:
     ts_ns: int
     attrs: dict[str, Any] = field(default_factory=dict)
 
+    def __reduce__(self):
+        # pickled as (type's value, ts, attrs or None): a rolling bundle's drain ships every finished
+        # request's events to the writer process, and a dataclass's __dict__ per event cost twice this
+        return _event, (self.type._value_, self.ts_ns, self.attrs or None)
+
+
+def _event(value: str, ts_ns: int, attrs: dict[str, Any] | None) -> RequestEvent:
+    return RequestEvent(RequestEventType(value), ts_ns, attrs if attrs is not None else {})
+
 
 class Request:
     """One generation request inside the engine (scheduler and block manager view)."""
