@@ -60,7 +60,10 @@ CASES: tuple[Case, ...] = (
          {"profile": "kernels"}),
     Case("collective.delay_ms", "parallel.collective", {"faults": {"collective.delay_ms": 4}}, {"tp": 2}),
     Case("output.delay_ms", "engine.output", {"faults": {"output.delay_ms": 8}}),
-    Case("max_num_seqs_low", "engine.queue", {"config": {"max_num_seqs": 2}}, workload=BURST,
+    # one sequence at a time: at 2 the saturated burst's TTFT p50 moved +51% one time against a
+    # minimum detectable +89% (a saturated run's spread), and TPOT's significant -81% made it an
+    # "improvement" (2026-12-02); at 1, +142% (TTFT p50) twice
+    Case("max_num_seqs_low", "engine.queue", {"config": {"max_num_seqs": 1}}, workload=BURST,
          note="max_num_seqs too low under load"),
     # 16 blocks of 16 tokens hold about two of these requests: they run nearly one by one. (With
     # 24 blocks on a quiet machine the burst's median latency improved: the tiny model's step
