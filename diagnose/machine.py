@@ -45,7 +45,7 @@ MIN_CPU_SHARE = 0.10  # ... and this share of the usable CPUs
 MIN_WAIT_SHARE = 0.10  # or the run's CPU wait share differs by this (a saturated machine)
 CONTENTION_P = 0.01
 SPEED_RATIO = 1.10
-STEP_NOISE = 1.03  # a slower machine makes a step at equal batch size at least this much slower
+STEP_NOISE = 1.03  # a step at equal batch size this much faster (slower) in the slower (faster) run rules the machine out
 UNSTABLE_RANGE = 1.25  # the yardstick's slowest/fastest over both runs: the machine's speed varied
 SPEED_P = 0.05
 
@@ -218,16 +218,17 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     note = ("the machine differed too: " if env.get("changed") else "the machine: ") + "; ".join(env["evidence"])
     if explained and not env.get("changed"):
         # The machine's speed only varied (it did not differ between the runs): it reaches the
-        # latencies through slower steps. When a step at equal batch size did not take measurably
-        # longer in the slower run (or less in the faster one), the machine did not do it: the
-        # requests waited for something else (routing, scheduling, admission).
+        # latencies through slower steps. When a step at equal batch size took measurably *less*
+        # time in the slower run (or more in the faster one), the machine is ruled out: the
+        # requests waited for something else (routing, scheduling, admission). Steps that moved
+        # less than that leave it possible (a queue amplifies a brief slow spell), so it stays.
         sr = causes.step_ratio()
         if not math.isnan(sr):
-            kept_by_steps = [n for n in explained if (sr >= STEP_NOISE if _worse(n, metrics[n]) else sr <= 1 / STEP_NOISE)]
+            kept_by_steps = [n for n in explained if (sr > 1 / STEP_NOISE if _worse(n, metrics[n]) else sr < STEP_NOISE)]
             if len(kept_by_steps) < len(explained):
                 note = (f"the machine's speed varied while the runs were recorded, but a step at equal batch "
-                        f"size took x{sr:.2f} the time in the candidate: the machine does not explain "
-                        f"{', '.join(n for n in explained if n not in kept_by_steps)}; " + note)
+                        f"size took x{sr:.2f} the time in the candidate, the other way: the machine does not "
+                        f"explain {', '.join(n for n in explained if n not in kept_by_steps)}; " + note)
                 explained = kept_by_steps
     if not explained:
         for f in findings:
