@@ -169,7 +169,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
             same[0]["_score"] = math.inf
         else:
             findings.insert(0, wf)
-    findings.sort(key=lambda f: -f.pop("_score"))
+    findings = order_findings(findings, metrics, verdict)
     changed_layers = {f["layer"] for f in findings} | {lyr for f in findings for lyr in f.pop("_measured")}
     cdiff = mark_consistency(cdiff, changed_layers if verdict != "no_change" else set())
     for f in findings:
@@ -373,6 +373,17 @@ def _goodput_findings(a: RunAnalysis, b: RunAnalysis, slo: dict, causes: Causes,
         f["evidence"].insert(0, f"requests over the {m.upper()} SLO ({ms(slo[worst])}): "
                                 f"{(a.ok[worst] > slo[worst]).mean():.0%} -> {(b.ok[worst] > slo[worst]).mean():.0%}")
     return fs
+
+
+def order_findings(findings: list[dict], metrics: dict, verdict: str) -> list[dict]:
+    """Findings by score (popped), highest first; under a ``regression`` verdict the findings of
+    metrics that got worse come first, so that the primary finding explains the regression: a
+    config change that made TPOT much better and TTFT worse (max_num_seqs 64 -> 1 under a burst)
+    is a regression of TTFT, not "output processing got faster"."""
+    out = sorted(findings, key=lambda f: -f.pop("_score"))
+    if verdict == "regression":
+        out.sort(key=lambda f: not (metrics.get(f["metric"]) or {}).get("worse", False))  # stable
+    return out
 
 
 def _verdict(metrics: dict, workload_changed: bool) -> str:

@@ -99,3 +99,23 @@ def test_a_slower_sampler_is_named_as_the_sampler_either_way(synth, flip):
     assert top["layer"] == "model.forward", [(f["layer"], f["cause"]) for f in d["findings"]]
     assert top["cause"] == f"the sampler got {'faster' if flip else 'slower'} per sampled row"
     assert any(e.startswith("sampling time per sampled row") for e in top["evidence"])
+
+
+def test_a_regression_is_explained_by_a_finding_of_a_metric_that_got_worse():
+    """max_num_seqs 64 -> 1 under a burst (CI, 2026-12-02): TPOT p50 -89 % scored highest, and the
+    primary finding of the regression was 'output processing got faster'. The worse metric's
+    finding leads; without a regression the score alone orders."""
+    from layerscope.diagnose.comparison import order_findings
+
+    metrics = {"tpot_p50_s": {"worse": False, "significant": True}, "e2e_p50_s": {"worse": True, "significant": True}}
+
+    def findings():
+        return [{"metric": "tpot_p50_s", "layer": "engine.output", "_score": 9.0},
+                {"metric": "e2e_p50_s", "layer": "gateway.route", "_score": 1.0},
+                {"metric": "e2e_p50_s", "layer": "engine.queue", "_score": 5.0}]
+
+    got = order_findings(findings(), metrics, "regression")
+    assert [f["layer"] for f in got] == ["engine.queue", "gateway.route", "engine.output"]
+    assert all("_score" not in f for f in got)
+    assert [f["layer"] for f in order_findings(findings(), metrics, "improvement")] == [
+        "engine.output", "engine.queue", "gateway.route"]
