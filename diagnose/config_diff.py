@@ -11,6 +11,7 @@ registered it) is read from that map first.
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -184,7 +185,8 @@ def can_move(layer: str | None, changed: set[str]) -> bool:
 def source_text(baseline_source: Any, candidate_source: Any) -> str:
     """Where a config key's two values came from: ``default changed`` (both defaults: the default
     itself moved), ``set -> default``; "" for keys without a source (resolved, version, hardware)."""
-    sa, sb = (None if s is None or (isinstance(s, float) and s != s) else s for s in (baseline_source, candidate_source))
+    sa, sb = (None if s is None or (isinstance(s, float) and math.isnan(s)) else s
+              for s in (baseline_source, candidate_source))
     if sa is None and sb is None:
         return ""
     return "default changed" if sa == sb == "default" else f"{sa} -> {sb}"

@@ -195,12 +195,6 @@ def machine_relevant(env: dict[str, Any]) -> bool:
 
 
 # ---- what the comparison does with it ----------------------------------------------------------
-def _worse(name: str, metric: dict) -> bool:
-    """The candidate is worse on this metric."""
-    d = metric.get("delta_pct") or 0.0
-    return (d > 0) == _higher_is_worse(name)
-
-
 def _higher_is_worse(name: str) -> bool:
     return not name.startswith(("output_tokens_per_s", "goodput"))
 
@@ -224,7 +218,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
         # less than that leave it possible (a queue amplifies a brief slow spell), so it stays.
         sr = causes.step_ratio()
         if not math.isnan(sr):
-            kept_by_steps = [n for n in explained if (sr > 1 / STEP_NOISE if _worse(n, metrics[n]) else sr < STEP_NOISE)]
+            kept_by_steps = [n for n in explained if (sr > 1 / STEP_NOISE if metrics[n]["worse"] else sr < STEP_NOISE)]
             if len(kept_by_steps) < len(explained):
                 note = (f"the machine's speed varied while the runs were recorded, but a step at equal batch "
                         f"size took x{sr:.2f} the time in the candidate, the other way: the machine does not "

@@ -146,9 +146,9 @@ def comparison_lines(d: dict[str, Any], attribution: dict | None = None) -> list
     changed = [c for c in d["config_diff"]]
     if changed:
         blocks.append(("heading", "config and environment changes"))
-        for c in changed:
-            from layerscope.diagnose.config_diff import source_text
+        from layerscope.diagnose.config_diff import source_text
 
+        for c in changed:
             src = source_text(c.get("baseline_source"), c.get("candidate_source"))
             src = f", {src}" if src else ""
             cons = {True: "consistent with the measured change", False: "NOT consistent with the measured change",

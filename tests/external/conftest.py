@@ -109,18 +109,13 @@ def _group_cpu_s(pgid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _busy_cpu_s() -> float:
-    """Busy CPU seconds of the whole machine (all CPUs) from /proc/stat."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
-
-
 def bench(url: str, workload: str, out: Path, server_log: Path | None = None, *extra: str) -> Path:
     """``layerscope bench`` against ``url`` in this process. The machine is shared: a bench during
     which processes other than the server's and ours kept more than ``MAX_OTHERS_CPUS`` busy is
     run again once (as the fault matrix does), since a live A/A pair cannot be told from another
     job's load without the server's own machine evidence."""
     from layerscope.cli import main
+    from layerscope.regressions.fault_matrix import _busy_jiffies  # busy CPU seconds of the machine
 
     argv = ["bench", "--endpoint", url, "--workload", workload, "--out", str(out), "--overwrite",
             "--scrape-interval", "0.5", *extra]
@@ -128,10 +123,10 @@ def bench(url: str, workload: str, out: Path, server_log: Path | None = None, *e
         argv += ["--server-log", str(server_log)]
     pgid = _SERVER_GROUPS.get(url)
     for attempt in range(2):
-        busy0, srv0, own0, t0 = _busy_cpu_s(), _group_cpu_s(pgid) if pgid else 0.0, time.process_time(), time.monotonic()
+        busy0, srv0, own0, t0 = _busy_jiffies()[0], _group_cpu_s(pgid) if pgid else 0.0, time.process_time(), time.monotonic()
         assert main(argv) == 0
         wall = time.monotonic() - t0
-        others = (_busy_cpu_s() - busy0 - (_group_cpu_s(pgid) - srv0 if pgid else 0.0)
+        others = (_busy_jiffies()[0] - busy0 - (_group_cpu_s(pgid) - srv0 if pgid else 0.0)
                   - (time.process_time() - own0)) / max(wall, 1e-3)
         if pgid is None or others <= MAX_OTHERS_CPUS:
             break
