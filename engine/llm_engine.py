@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from operator import attrgetter
 from typing import Any, Sequence
 
 import torch
@@ -33,6 +34,7 @@ from layerscope.kernels import resolve_backend
 
 logger = logging.getLogger(__name__)
 
+_REQUEST_ID, _TOKEN_IDS, _IS_PREFILL = attrgetter("request_id"), attrgetter("token_ids"), attrgetter("is_prefill")
 
 
 class LLMEngine:
@@ -189,8 +191,11 @@ class LLMEngine:
 
         rec = self.recorder
         if rec.enabled:  # nothing below runs with probes off
-            prefills = [s for s in out.scheduled if s.is_prefill]
-            decodes = [s for s in out.scheduled if not s.is_prefill]
+            # per-request columns by C-level maps (this ran 4 list passes and 2 generators per step)
+            scheduled = out.scheduled
+            num_tokens = list(map(len, map(_TOKEN_IDS, scheduled)))
+            num_decode = list(map(_IS_PREFILL, scheduled)).count(False)  # a decode computes one token
+            num_batched = sum(num_tokens)
             rec.on_step(
                 StepRecord(
                     step_id=step_id,
@@ -201,10 +206,10 @@ class LLMEngine:
                     forward_ns=runner_out.forward_ns,
                     sample_ns=runner_out.sample_ns,
                     output_ns=t3 - t2,
-                    num_prefill_seqs=len(prefills),
-                    num_prefill_tokens=sum(s.num_new_tokens for s in prefills),
-                    num_decode_seqs=len(decodes),
-                    num_decode_tokens=sum(s.num_new_tokens for s in decodes),
+                    num_prefill_seqs=len(scheduled) - num_decode,
+                    num_prefill_tokens=num_batched - num_decode,
+                    num_decode_seqs=num_decode,
+                    num_decode_tokens=num_decode,
                     num_running=sched.num_running,
                     num_waiting=sched.num_waiting,
                     num_kv_blocks_free=bm.num_free_blocks,
@@ -212,8 +217,8 @@ class LLMEngine:
                     num_preemptions=sched.num_preemptions - p0,
                     num_prefix_queries=bm.num_prefix_queries - q0,
                     num_prefix_hits=bm.num_prefix_hits - h0,
-                    request_ids=[s.request_id for s in out.scheduled],
-                    request_num_tokens=[s.num_new_tokens for s in out.scheduled],
+                    request_ids=list(map(_REQUEST_ID, scheduled)),
+                    request_num_tokens=num_tokens,
                 ),
                 runner_out.layer_times,
             )
