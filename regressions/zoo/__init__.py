@@ -12,7 +12,8 @@ shows it. For each patch, ``run_patch``:
    the baseline, the patched commit as the candidate, repetitions interleaved;
 3. scores it: the verdict from regress's gate (``regression`` when a metric regressed
    beyond the suite's threshold, consistently; ``worse`` when significantly worse but
-   not gated; ``improvement``; ``no_change``), and the layer named: regress's for the
+   not gated; ``mixed`` when a metric improved while the run-level test finds another worse;
+   ``improvement``; ``no_change``), and the layer named: regress's for the
    regressed metric, else diagnose's finding (or largest layer delta) on the patch's
    metric from the representative repetitions. ``ok`` = the verdict is a regression
    (or worse) and the layer named is the patch's.
@@ -154,7 +155,7 @@ def patched_revision(repo: Path, rev: str, patch: Path, message: str) -> str:
 class ZooResult:
     patch: ZooPatch
     status: str  # measured | does not apply | failed
-    verdict: str | None = None  # regression | worse | improvement | no_change
+    verdict: str | None = None  # regression | worse | mixed | improvement | no_change
     named_layer: str | None = None
     layer_source: str | None = None  # regress | diagnose (not gated) | largest delta
     metric: str | None = None  # the metric the layer was named for
@@ -224,8 +225,11 @@ def score(p: ZooPatch, result) -> ZooResult:
     res.regressed = [m for m, g in comps.items() if g["status"] == "regressed"]
     res.worse = [m for m, g in comps.items() if g["status"] == "worse"]
     improved = [m for m, g in comps.items() if g["status"] == "improved"]
+    # an improvement of one metric while the run-level test finds others worse is no improvement:
+    # a router that sends everything to one replica has faster steps there and queues longer
+    against = [m for m, g in comps.items() if (g.get("run_level") or {}).get("worse")]
     res.verdict = ("regression" if res.regressed else "worse" if res.worse
-                   else "improvement" if improved else "no_change")
+                   else "mixed" if improved and against else "improvement" if improved else "no_change")
     regs = [r for r in result.regressions if r["version"] == cand]
     reg = next((r for r in regs if r["metric"] == p.metric), regs[0] if regs else None)
     if reg is not None and reg.get("layer"):

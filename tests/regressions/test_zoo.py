@@ -104,3 +104,30 @@ def test_cli_check_and_errors(capsys):
     assert capsys.readouterr().out.count(": applies") == len(PATCHES)
     assert zoo_main(["--only", "nosuch", "--repo", str(REPO)]) == 2
     assert "known: scheduler-debug-string" in capsys.readouterr().err
+
+
+def _scored(monkeypatch, statuses: dict[str, tuple[str, bool]]):
+    """score() of a one-cell regress result whose metrics have these (gate status, run-level worse)."""
+    from types import SimpleNamespace
+
+    from layerscope.regressions import zoo
+
+    monkeypatch.setattr(zoo, "diagnose_layer", lambda *a: ("gateway.route", "diagnose (not gated)", None))
+    statuses = {PATCHES[0].metric: ("unchanged", False), **statuses}
+    comps = {m: {"status": st, "delta_pct": 10.0, "run_level": {"worse": worse}} for m, (st, worse) in statuses.items()}
+    base, cand = SimpleNamespace(label="base"), SimpleNamespace(label="cand")
+    result = SimpleNamespace(versions=[base, cand], failures=[], regressions=[], slo={}, session_dir="s",
+                             cells=[{"comparisons": {"cand": comps}, "_runs": {"base": [], "cand": []}}])
+    return zoo.score(PATCHES[0], result)
+
+
+def test_an_improvement_against_worse_run_level_evidence_is_mixed(monkeypatch):
+    # the router patch at 6 repetitions: TPOT p99 -32 % gated as improved, while the run-level test
+    # found TTFT p50 (+98 %, p = 0.014), E2E and tokens/s worse: not an improvement
+    r = _scored(monkeypatch, {"tpot_p99_s": ("improved", False), "ttft_p50_s": ("unchanged", True),
+                              "e2e_p50_s": ("unchanged", True)})
+    assert r.verdict == "mixed" and not r.ok
+    assert _scored(monkeypatch, {"tpot_p99_s": ("improved", False), "ttft_p50_s": ("unchanged", False)}).verdict \
+        == "improvement"
+    assert _scored(monkeypatch, {"ttft_p50_s": ("unchanged", True)}).verdict == "no_change"
+    assert _scored(monkeypatch, {"ttft_p50_s": ("worse", True), "tpot_p99_s": ("improved", False)}).verdict == "worse"
