@@ -199,6 +199,27 @@ def _higher_is_worse(name: str) -> bool:
     return not name.startswith(("output_tokens_per_s", "goodput"))
 
 
+# Router policies whose choice does not depend on how fast the replicas are: round_robin takes
+# them in turn, prefix_affinity hashes the prompt's first block (least_loaded follows the
+# replicas' requests in flight, which a slower machine changes).
+LOAD_INDEPENDENT_ROUTING = ("round_robin", "prefix_affinity")
+
+
+def _routing_moved(causes, worse: bool) -> str | None:
+    """Why the machine cannot explain the routing: the busiest replica's share moved (by the cause
+    rules' measure) while both runs routed with a policy that the replicas' speed does not steer.
+    None when it did not move, or when a load-following policy could have moved it."""
+    if not causes.router_skewed(1.0 if worse else -1.0):
+        return None
+    policies = {causes.a.cfg("router_policy", "round_robin"), causes.b.cfg("router_policy", "round_robin")}
+    if not policies <= set(LOAD_INDEPENDENT_ROUTING):
+        return None
+    ia, ib = causes.ia, causes.ib
+    return (f"the busiest replica's share of requests went from {ia['replica_share_max'] / max(ia['num_replicas'], 1):.0%}"
+            f" to {ib['replica_share_max'] / max(ib['num_replicas'], 1):.0%} under {' and '.join(sorted(policies))}"
+            ", a routing the machine's speed does not steer")
+
+
 def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, causes,
                      cdiff: pd.DataFrame, interleaved: bool = False) -> tuple[str, list[dict]]:
     """The runs' machines differed (machine.machine_diff). Changes in the direction the machine
@@ -239,11 +260,12 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     keyed = cdiff[cdiff["kind"].isin(["config", "resolved"])] if len(cdiff) else cdiff
     config_move = top is not None and any(can_move(r.layer, {top["layer"]}) for r in keyed.itertuples()
                                           if isinstance(r.layer, str))
-    if standout is not None or config_move:
+    routed = _routing_moved(causes, worse) if any(f["layer"] == "gateway.route" for f in software) else None
+    if standout is not None or config_move or routed:
         why = (f"{standout['phase']} per {'step' if standout['phase'].startswith(('engine', 'model', 'parallel')) else 'request'}"
                f" x{standout['ratio']:.2f} while the other phases moved x{standout['others']:.2f}, beyond the "
                f"machine's own range x{factor:.2f}" if standout is not None else
-               f"a config change can move {top['layer']}")
+               routed if routed else f"a config change can move {top['layer']}")
         out: list[dict] = []
         for f in findings:
             if standout is not None and f["layer"] in _MACHINE_LAYERS and f["layer"] not in _within(standout["phase"]) and (

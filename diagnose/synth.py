@@ -72,6 +72,7 @@ class SynthSpec:
     route_s: float = 0.0003
     replicas: int = 1
     router_skew: float = 0.0  # knob: share of traffic sent to replica 0 on top of round robin
+    router_policy: str = "round_robin"  # what the manifest's config says (the skew knob routes either way)
     stream_s: float = 0.0002
     # engine config
     max_num_seqs: int = 64
@@ -446,7 +447,8 @@ def _write_manifest(spec, out: Path, run_id: str, num_requests: int, end_ns: int
                   num_kv_blocks=spec.num_kv_blocks, block_size=spec.block_size,
                   enable_chunked_prefill=spec.enable_chunked_prefill,
                   enable_prefix_caching=spec.enable_prefix_caching, tp_size=spec.tp_size,
-                  layer_timing_interval=spec.layer_timing_interval, model="synthetic")
+                  layer_timing_interval=spec.layer_timing_interval, router_policy=spec.router_policy,
+                  model="synthetic")
     nested = {k: v for k, v in config.items() if not k.startswith("gateway.")}
     nested["gateway"] = {k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("gateway.")}
     argv = ["layerscope", "run", "--model", "synthetic", "--workload", "synth", "--out", str(out)]

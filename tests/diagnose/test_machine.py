@@ -140,7 +140,8 @@ def test_a_machine_that_only_varied_does_not_explain_a_slower_candidate_whose_st
     one that differed. It reaches latencies through slower steps: when the candidate's steps at
     equal batch size were measurably faster (the overloaded replica of a router skew had a core
     to itself), the router is named, with why the machine was ruled out. Steps that did not move
-    leave the machine possible (environment_changed), and so do steps that were slower."""
+    leave the machine possible (environment_changed), and so do steps that were slower, unless
+    what changed is a routing the machine's speed cannot steer (round_robin: the skew is software)."""
     a = synth(seed=1, noise_seed=1, replicas=2, outside_cpu_cores=0.3, arrival_rate_per_s=120.0)
     skewed = synth(seed=1, noise_seed=2, replicas=2, router_skew=0.9, outside_cpu_cores=0.3, yardstick_spike=2.3,
                    machine_slowdown=0.95, arrival_rate_per_s=120.0)
@@ -148,8 +149,17 @@ def test_a_machine_that_only_varied_does_not_explain_a_slower_candidate_whose_st
     assert d["machine"]["machine_range"] > 2 and not d["machine"]["changed"], d["machine"]
     assert d["verdict"] == "regression" and d["primary"]["layer"] == "gateway.route", d["findings"][:2]
     assert any("the machine does not explain" in e for e in d["findings"][0]["evidence"])
-    for slowdown in (1.0, 1.5):
-        other = synth(seed=1, noise_seed=2, replicas=2, router_skew=0.9 if slowdown == 1.0 else 0.0,
-                      outside_cpu_cores=0.3, yardstick_spike=2.3, machine_slowdown=slowdown, arrival_rate_per_s=120.0)
-        d = compare(a, other).diagnosis
-        assert d["verdict"] == "environment_changed" and d["primary"]["layer"] == "hardware", (slowdown, d["findings"][:2])
+    # steps unmoved, round_robin on both sides: the machine cannot have sent 90 % to one replica
+    unmoved = dict(seed=1, noise_seed=2, replicas=2, router_skew=0.9, outside_cpu_cores=0.3, yardstick_spike=2.3,
+                   machine_slowdown=1.0, arrival_rate_per_s=120.0)
+    d = compare(a, synth(**unmoved)).diagnosis
+    assert d["verdict"] == "regression" and d["primary"]["layer"] == "gateway.route", d["findings"][:2]
+    assert any("a routing the machine's speed does not steer" in e for e in d["findings"][0]["evidence"])
+    # the same under least_loaded (which follows the replicas' speed), and a slower machine with no
+    # skew: the machine stays possible
+    a_ll = synth(seed=1, noise_seed=1, replicas=2, outside_cpu_cores=0.3, arrival_rate_per_s=120.0,
+                 router_policy="least_loaded")
+    for base, other in ((a_ll, synth(**{**unmoved, "router_policy": "least_loaded"})),
+                        (a, synth(**{**unmoved, "router_skew": 0.0, "machine_slowdown": 1.5}))):
+        d = compare(base, other).diagnosis
+        assert d["verdict"] == "environment_changed" and d["primary"]["layer"] == "hardware", d["findings"][:2]
