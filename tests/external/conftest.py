@@ -25,9 +25,22 @@ VENV = Path.home() / ".cache" / "layerscope" / "vllm-venv"
 STARTUP_S = 900.0  # torch.compile warm-up on a shared 2-core machine
 
 
+def _empty_cwd() -> str:
+    """An empty directory to start other projects' Python in: its working directory goes on
+    sys.path, and in the shared temp directory any folder shadows a package of the same name
+    (a leftover /tmp/z3 broke torch's `import z3` in vLLM's workers)."""
+    global _CWD
+    if _CWD is None or not Path(_CWD).is_dir():
+        _CWD = tempfile.mkdtemp(prefix="layerscope-foreign-cwd-")
+    return _CWD
+
+
+_CWD: str | None = None
+
+
 def vllm_python() -> Path:
     py = VENV / "bin" / "python"
-    if py.exists() and subprocess.run([py, "-c", "import vllm"], capture_output=True, cwd=tempfile.gettempdir(),
+    if py.exists() and subprocess.run([py, "-c", "import vllm"], capture_output=True, cwd=_empty_cwd(),
                                       timeout=300).returncode == 0:
         return py
     try:
@@ -55,7 +68,7 @@ def server(argv: list[str], log: Path, env: dict[str, str] | None = None, startu
     port = argv[argv.index("--port") + 1]
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(a) for a in argv], cwd=tempfile.gettempdir(), stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([str(a) for a in argv], cwd=_empty_cwd(), stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})}, start_new_session=True)
     _SERVER_GROUPS[url] = proc.pid  # its own session: process group id = its pid
     try:
