@@ -634,13 +634,18 @@ class Causes:
                 f"KV tokens dropped by preemption {pct(ia['recomputed_token_frac'])} -> "
                 f"{pct(ib['recomputed_token_frac'])} of the tokens computed"]
 
+    def busiest_replica_share(self) -> tuple[float, float]:
+        """The busiest replica's share of requests in the baseline and the candidate (0..1)."""
+        ia, ib = self.ia, self.ib
+        return (ia["replica_share_max"] / max(ia["num_replicas"], 1),
+                ib["replica_share_max"] / max(ib["num_replicas"], 1))
+
     def _router_evidence(self) -> list[str]:
         ia, ib = self.ia, self.ib
         if ib["num_replicas"] <= 1:
             return []
-        ev = [f"busiest replica gets {ib['replica_share_max'] / ib['num_replicas']:.0%} of requests "
-              f"(was {ia['replica_share_max'] / max(ia['num_replicas'], 1):.0%}; fair share "
-              f"{1 / ib['num_replicas']:.0%})"]
+        was, now = self.busiest_replica_share()
+        ev = [f"busiest replica gets {now:.0%} of requests (was {was:.0%}; fair share {1 / ib['num_replicas']:.0%})"]
         if "replica_queue_s_max" in ib:
             ev.append(f"engine.queue per replica at TTFT: {ms(ib['replica_queue_s_min'])} .. "
                       f"{ms(ib['replica_queue_s_max'])}")

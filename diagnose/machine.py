@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from layerscope.contract import CONFIG_DEFAULTS
 from layerscope.diagnose.config_diff import can_move
 from layerscope.diagnose.stats import mann_whitney_p
 
@@ -211,13 +212,13 @@ def _routing_moved(causes, worse: bool) -> str | None:
     None when it did not move, or when a load-following policy could have moved it."""
     if not causes.router_skewed(1.0 if worse else -1.0):
         return None
-    policies = {causes.a.cfg("router_policy", "round_robin"), causes.b.cfg("router_policy", "round_robin")}
+    default = CONFIG_DEFAULTS["router_policy"]
+    policies = {causes.a.cfg("router_policy", default), causes.b.cfg("router_policy", default)}
     if not policies <= set(LOAD_INDEPENDENT_ROUTING):
         return None
-    ia, ib = causes.ia, causes.ib
-    return (f"the busiest replica's share of requests went from {ia['replica_share_max'] / max(ia['num_replicas'], 1):.0%}"
-            f" to {ib['replica_share_max'] / max(ib['num_replicas'], 1):.0%} under {' and '.join(sorted(policies))}"
-            ", a routing the machine's speed does not steer")
+    was, now = causes.busiest_replica_share()
+    return (f"the busiest replica's share of requests went from {was:.0%} to {now:.0%} under "
+            f"{' and '.join(sorted(policies))}, a routing the machine's speed does not steer")
 
 
 def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, causes,

@@ -191,7 +191,7 @@ class LLMEngine:
 
         rec = self.recorder
         if rec.enabled:  # nothing below runs with probes off
-            # per-request columns by C-level maps (this ran 4 list passes and 2 generators per step)
+            # per-request columns by C-level maps: this runs every step
             scheduled = out.scheduled
             num_tokens = list(map(len, map(_TOKEN_IDS, scheduled)))
             num_decode = list(map(_IS_PREFILL, scheduled)).count(False)  # a decode computes one token
