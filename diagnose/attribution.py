@@ -681,19 +681,29 @@ def _toward(deltas: pd.DataFrame, s: float) -> pd.DataFrame:
 
 def _cannot_tell(ops: dict) -> bool:
     """The changed ops fit a fixed time per call and a common factor about equally (spreads
-    within 1.25x of each other), or are all of about one size (then both models predict the
-    same deltas): per-call overhead and proportional slowdown cannot be told apart."""
+    within 1.25x of each other), or their sizes vary too little for the two models to differ
+    beyond the measurements' own scatter: per-call overhead and proportional slowdown cannot be
+    told apart. (The two models' predictions differ by the ops' size spread ``cv_size``: a
+    fixed time per call leaves the ratios spread like the sizes, a common factor the deltas.
+    The better model's spread is the scatter left over; the size spread must be at least twice
+    that to separate them.)"""
     a, m = ops.get("cv_additive", math.nan), ops.get("cv_multiplicative", math.nan)
     if math.isnan(a) or math.isnan(m):
         return False
     close = max(a, m) <= 1.25 * max(min(a, m), 1e-9)
-    return bool(close or ops.get("cv_size", math.inf) < 0.25)
+    return bool(close or _sizes_alike(ops))
+
+
+def _sizes_alike(ops: dict) -> bool:
+    """The changed ops' sizes spread less than twice the better model's scatter (``_cannot_tell``)."""
+    return ops.get("cv_size", math.inf) < 2 * min(ops.get("cv_additive", math.inf), ops.get("cv_multiplicative",
+                                                                                              math.inf))
 
 
 def _KERNEL_ALTERNATIVES(s: float, ops: dict | None) -> list[dict]:  # noqa: N802 (a table, built per call)
     word = "grew" if s > 0 else "shrank"
     reason = ("the ops that changed are all of about one size, so the same time per call and the same factor give "
-              "the same deltas" if ops is not None and ops.get("cv_size", math.inf) < 0.25 else
+              "the same deltas" if ops is not None and _sizes_alike(ops) else
               "both models fit the per-op deltas about equally" if ops is not None else
               "the batches are all of about one size, so a fixed cost per step and a cost per token give the same "
               "forward times")

@@ -239,14 +239,15 @@ def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule, saturated: bool = Fa
 
     na, da = per_step(a)
     nb, db = per_step(b)
-    r = _headline(compare_rate(na, da, nb, db, rule, metric=THROUGHPUT,
-                               run_se=rule.pair_run_se(THROUGHPUT, "rate", saturated)), a.indicators["output_tokens_per_s"],
-                  b.indicators["output_tokens_per_s"], rule)
     sa, sb = _served_share(a), _served_share(b)
-    r["served_share"] = [sa, sb]
     # both runs saturated (busy for over twice their arrival span: a burst, or load beyond
-    # capacity): their throughput is the system's capacity, not an offered rate to follow
+    # capacity): their throughput is the system's capacity, not an offered rate to follow, and
+    # the run's steps are all the work there was, not a sample of it (stats.compare_rate)
     saturated = not max(sa, sb) >= 0.5
+    r = _headline(compare_rate(na, da, nb, db, rule, metric=THROUGHPUT,
+                               run_se=rule.pair_run_se(THROUGHPUT, "rate", saturated), within_run=not saturated),
+                  a.indicators["output_tokens_per_s"], b.indicators["output_tokens_per_s"], rule)
+    r["served_share"] = [sa, sb]
     if r["significant"] and not saturated and not 100 * abs(sb / sa - 1) >= r["floor_pct"]:
         r["significant"] = r["worse"] = False
     return r

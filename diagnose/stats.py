@@ -304,18 +304,33 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
 
 
 def compare_rate(base_num: np.ndarray, base_den: np.ndarray, cand_num: np.ndarray, cand_den: np.ndarray,
-                 rule: Rule = DEFAULT_RULE, metric: str | None = None, run_se: float | None = None) -> dict:
+                 rule: Rule = DEFAULT_RULE, metric: str | None = None, run_se: float | None = None,
+                 within_run: bool = True) -> dict:
     """Compare two ratio estimates sum(num)/sum(den) (e.g. tokens / seconds) with a block
     bootstrap over consecutive units (steps, requests), which keeps their autocorrelation.
+
+    ``within_run=False``: the units are not a sample of anything (a saturated run serves one
+    fixed set of requests in one set of steps, all of which a rerun would take again: resampling
+    its prefill and decode steps measures how unlike they are, not how the total could have come
+    out); the run-to-run spread ``run_se`` alone is the uncertainty, the CI normal on the log ratio.
 
     Returns the same keys as compare_quantile; higher is better.
     """
     run_se = rule.pair_run_se(metric, "rate") if run_se is None else run_se
-    def ratio(num, den):
-        d = float(np.nansum(den))
-        return float(np.nansum(num)) / d if d > 0 else math.nan
-
-    out = {"baseline": ratio(base_num, base_den), "candidate": ratio(cand_num, cand_den),
+    if not within_run:
+        out = {"baseline": _ratio(base_num, base_den), "candidate": _ratio(cand_num, cand_den),
+               "n_baseline": int(len(base_num)), "n_candidate": int(len(cand_num))}
+        rel_delta = out["candidate"] / out["baseline"] - 1 if out["baseline"] > 0 else math.nan
+        sens = sensitivity(0.0, run_se, rule)
+        if not (out["candidate"] > 0 and out["baseline"] > 0):
+            return {**out, "delta_pct": 100 * rel_delta, "ci_pct": None, "p_value": None, "significant": False,
+                    "worse": False, **sens}
+        zc, lr = z(1 - (1 - rule.confidence) / 2), math.log1p(rel_delta)
+        ci = [100 * math.expm1(lr - zc * run_se), 100 * math.expm1(lr + zc * run_se)]
+        sig = 100 * abs(rel_delta) >= sens["floor_pct"] and (ci[0] > 0 or ci[1] < 0)
+        return {**out, "delta_pct": 100 * rel_delta, "ci_pct": ci, "p_value": None, "significant": bool(sig),
+                "worse": bool(sig and rel_delta < 0), **sens}
+    out = {"baseline": _ratio(base_num, base_den), "candidate": _ratio(cand_num, cand_den),
            "n_baseline": int(len(base_num)), "n_candidate": int(len(cand_num))}
     if len(base_num) < 20 or len(cand_num) < 20 or not out["baseline"] > 0:
         return {**out, "delta_pct": _pct(out["baseline"], out["candidate"]), "ci_pct": None, "p_value": None,
@@ -331,6 +346,11 @@ def compare_rate(base_num: np.ndarray, base_den: np.ndarray, cand_num: np.ndarra
     sig = 100 * abs(rel_delta) >= sens["floor_pct"] and (lo > 0 or hi < 0)
     return {**out, "delta_pct": 100 * rel_delta, "ci_pct": [100 * float(lo), 100 * float(hi)], "p_value": None,
             "significant": bool(sig), "worse": bool(sig and rel_delta < 0), **sens}
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> float:
+    d = float(np.nansum(den))
+    return float(np.nansum(num)) / d if d > 0 else math.nan
 
 
 def _block_ratio(num, den, num_boot, rng) -> np.ndarray:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from layerscope.diagnose.stats import Rule, block_indices, compare_quantile, mann_whitney_p
+from layerscope.diagnose.stats import Rule, block_indices, compare_quantile, compare_rate, mann_whitney_p
 
 
 def test_mann_whitney_matches_scipy():
@@ -85,3 +85,30 @@ def test_student_t_and_run_level_match_scipy():
     mde = lambda k: np.expm1((scipy_stats.t.ppf(0.975, 2 * k - 2) + scipy_stats.t.ppf(0.9, 2 * k - 2))  # noqa: E731
                              * 0.05 * np.sqrt(2 / k))
     assert mde(k) <= 0.10 < mde(k - 1)
+
+
+def _burst_steps(rng, n_decode: int, per_step_s: float, seqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """A saturated burst's steps: a few long prefill steps, then decode steps of ``seqs`` sequences."""
+    num = np.r_[np.full(2, 16.0), np.full(n_decode, float(seqs))]
+    den = np.r_[rng.uniform(0.1, 0.2, 2), rng.normal(per_step_s, 0.1 * per_step_s, n_decode)]
+    return num, den
+
+
+def test_a_saturated_run_is_not_resampled_over_its_steps():
+    """A burst's steps are all the work there was: the throughput's uncertainty is the run-to-run
+    spread alone (within_run=False). Throughput cut by more than half stands out of a 0.17 pair spread, a 20 %
+    drop does not."""
+    rng = np.random.default_rng(3)
+    na, da = _burst_steps(rng, 30, 0.01, 16)
+    nb, db = _burst_steps(rng, 120, 0.01, 4)  # a quarter of the batch, four times the steps
+    resampled = compare_rate(na, da, nb, db, run_se=0.17)
+    whole = compare_rate(na, da, nb, db, run_se=0.17, within_run=False)
+    assert whole["delta_pct"] == pytest.approx(resampled["delta_pct"])
+    assert whole["delta_pct"] < -40
+    assert whole["significant"] and whole["worse"]
+    assert whole["ci_pct"][0] < whole["delta_pct"] < whole["ci_pct"][1] < 0
+    assert whole["floor_pct"] == pytest.approx(100 * 2.5758 * 0.17, rel=1e-3)
+    assert resampled["floor_pct"] > whole["floor_pct"]  # resampling adds how unlike the steps are
+    nc, dc = na, da * 1.2  # 1/1.2 of the rate: -17 %, within the run-to-run spread
+    small = compare_rate(na, da, nc, dc, run_se=0.17, within_run=False)
+    assert small["delta_pct"] == pytest.approx(100 * (1 / 1.2 - 1)) and not small["significant"]
