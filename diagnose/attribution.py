@@ -38,6 +38,18 @@ from layerscope.diagnose.decompose import COMPONENTS, col
 
 WINDOWS = {0.5: (0.4, 0.6), 0.9: (0.85, 0.95), 0.99: (0.97, 1.0)}
 STEP_PHASES = ("engine.schedule", "model.forward", "parallel.collective", "engine.output")
+# below this overlap of the two runs' batch-token mixes (Causes.batch_overlap) a change of model time
+# is put down to the batches, not to a row or kernel "at equal batch size", when a config that shapes the
+# batch changed (docs/diagnose.md §2).
+# Measured on the fault matrix (2026-12-02): A/A pairs 0.98-1.0, injected faults 0.89-1.0 but a
+# collective delay 0.63 (slower steps batch more), token budget 32 0.52, max_num_seqs 1 0.17, a
+# 16-block KV pool 0.32
+MIN_BATCH_OVERLAP = 0.5
+# config keys that shape the batch, and the layer each acts through (first match wins)
+BATCH_SHAPING = {"max_num_batched_tokens": "engine.queue", "enable_chunked_prefill": "engine.schedule",
+                 "max_num_seqs": "engine.queue", "num_kv_blocks": "engine.kv", "resolved.num_kv_blocks": "engine.kv",
+                 "block_size": "engine.kv", "kv_cache_memory_bytes": "engine.kv"}
+BATCH_SHAPING_KEYS = frozenset(BATCH_SHAPING)
 
 
 def quantile_components(base: pd.DataFrame, cand: pd.DataFrame, metric: str, q: float) -> pd.DataFrame:
@@ -129,6 +141,7 @@ class Causes:
         self.keys = changed_keys
         self.workload_changed = workload_changed
         self.hardware_changed = hardware_changed
+        self._overlap: float | None = None
         self.phase = self._phase_deltas()
         self.uniform = self._uniform_factor()
         base_step = self.ia.get("step_s_mean") or math.nan
@@ -206,6 +219,21 @@ class Causes:
             if beyond >= math.log(factor) and step > 0 and abs(delta) >= min_share * step:
                 return {"phase": names[k], "ratio": r[k], "others": math.exp(base)}
         return None
+
+    def batch_overlap(self) -> float:
+        """How alike the two runs' batches were: the overlap of their distributions of batch
+        tokens per step (sum over power-of-two bins of the smaller share; 1 = the same mix)."""
+        def shares(x: RunAnalysis) -> np.ndarray:
+            t = x.run.steps["num_batched_tokens"].to_numpy(np.float64)
+            t = t[~np.isnan(t)]
+            if not len(t):
+                return np.zeros(64)
+            return np.bincount(np.log2(np.maximum(t, 1)).astype(np.int64), minlength=64)[:64] / len(t)
+
+        if self._overlap is None:
+            self._overlap = float(np.minimum(shares(self.a), shares(self.b)).sum()) \
+                if len(self.a.run.steps) and len(self.b.run.steps) else 1.0
+        return self._overlap
 
     def _uniform_factor(self) -> dict[str, float] | None:
         """Host, model and output time per step (at equal batch size) all scaled by about the
@@ -431,7 +459,12 @@ class Causes:
         fwd_slow = self.phase["model.forward"]
         base_fwd = ia.get("forward_s_mean") or math.nan
         normalized = fwd_slow / base_fwd if base_fwd > 0 else 0.0
-        if s * normalized < 0.1:  # steps are not slower (faster) per token: they carry more (fewer) tokens
+        # steps are not slower (faster) per token: they carry more (fewer) tokens; or a config that
+        # shapes the batch changed and the two runs ran mostly unlike batches, so "at equal batch
+        # size" would be the baseline's fit carried into batches it never ran (a line on tokens does
+        # not follow attention's cost in context). (Unlike batches with no such change come from the
+        # steps' own speed: slower steps gather more requests; the fit stays the measure there.)
+        if s * normalized < 0.1 or (self.keys & BATCH_SHAPING_KEYS and self.batch_overlap() < MIN_BATCH_OVERLAP):
             if from_slowdown:
                 return [Part("model.forward", d, "model time per step grew with the batch")]
             comp = self._composition(d)
@@ -565,10 +598,7 @@ class Causes:
                         self._prefix_evidence() + ev)
         if s * (ib["recomputed_token_frac"] - ia["recomputed_token_frac"]) >= 0.05:
             return Part("engine.kv", d, "preempted requests recompute their KV", self._kv_evidence() + ev)
-        for key, layer in (("max_num_batched_tokens", "engine.queue"), ("enable_chunked_prefill", "engine.schedule"),
-                           ("max_num_seqs", "engine.queue"), ("num_kv_blocks", "engine.kv"),
-                           ("resolved.num_kv_blocks", "engine.kv"), ("block_size", "engine.kv"),
-                           ("kv_cache_memory_bytes", "engine.kv")):
+        for key, layer in BATCH_SHAPING.items():
             if key in self.keys:
                 return Part(layer, d, f"steps carry a different batch ({key} changed)",
                             (self._kv_evidence() if layer == "engine.kv" else []) + ev)

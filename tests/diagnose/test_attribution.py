@@ -119,3 +119,21 @@ def test_a_regression_is_explained_by_a_finding_of_a_metric_that_got_worse():
     assert all("_score" not in f for f in got)
     assert [f["layer"] for f in order_findings(findings(), metrics, "improvement")] == [
         "engine.output", "engine.queue", "gateway.route"]
+
+
+def test_batch_overlap_tells_alike_batches_from_unlike_ones(synth):
+    """Causes.batch_overlap: 1 for the same batch mix, low when a config made the batches unlike
+    (one sequence at a time against up to 64 under the same load); below MIN_BATCH_OVERLAP the
+    model time is put down to the batches, not to a row "at equal batch size"."""
+    from layerscope.diagnose.analysis import RunAnalysis
+    from layerscope.diagnose.attribution import MIN_BATCH_OVERLAP, Causes
+
+    base = RunAnalysis(synth(seed=1))
+    same = Causes(base, RunAnalysis(synth(seed=1, noise_seed=2)), set(), False, False)
+    assert same.batch_overlap() > 0.9
+    one = RunAnalysis(synth(seed=1, max_num_seqs=1))
+    unlike = Causes(base, one, {"max_num_seqs"}, False, False)
+    assert unlike.batch_overlap() < MIN_BATCH_OVERLAP
+    d = compare(base.run.path, one.run.path).diagnosis
+    tpot = [f for f in d["findings"] if f["metric"] == "tpot_p50_s"]
+    assert tpot and tpot[0]["layer"] == "engine.queue" and "different batch" in tpot[0]["cause"]
