@@ -459,12 +459,15 @@ class Causes:
         fwd_slow = self.phase["model.forward"]
         base_fwd = ia.get("forward_s_mean") or math.nan
         normalized = fwd_slow / base_fwd if base_fwd > 0 else 0.0
-        # steps are not slower (faster) per token: they carry more (fewer) tokens; or a config that
-        # shapes the batch changed and the two runs ran mostly unlike batches, so "at equal batch
-        # size" would be the baseline's fit carried into batches it never ran (a line on tokens does
-        # not follow attention's cost in context). (Unlike batches with no such change come from the
-        # steps' own speed: slower steps gather more requests; the fit stays the measure there.)
-        if s * normalized < 0.1 or (self.keys & BATCH_SHAPING_KEYS and self.batch_overlap() < MIN_BATCH_OVERLAP):
+        # steps are not slower (faster) per token: they carry more (fewer) tokens. Or the work per
+        # token changed where a line on batch tokens cannot follow it, so "at equal batch size" is
+        # no measure: prefix-cache hits dropped (each prefill token attends over the context that
+        # was cached: attention's cost grows with context, not with the step's tokens), or a config
+        # that shapes the batch changed and the two runs ran mostly unlike batches (the baseline's
+        # line carried into batches it never ran). Unlike batches with no such change come from the
+        # steps' own speed (slower steps gather more requests): the fit stays the measure there.
+        if (s * normalized < 0.1 or self._prefix_lost(s)
+                or (self.keys & BATCH_SHAPING_KEYS and self.batch_overlap() < MIN_BATCH_OVERLAP)):
             if from_slowdown:
                 return [Part("model.forward", d, "model time per step grew with the batch")]
             comp = self._composition(d)

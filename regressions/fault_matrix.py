@@ -94,6 +94,10 @@ class Row:
     error: str = ""
     others_cpus: float = 0.0  # CPUs other processes kept busy during the pair's busier run
     metrics: dict = field(default_factory=dict)
+    alternatives: list = field(default_factory=list)  # the primary's, where diagnose could not tell
+    # not ok, but a regression whose can't-tell names the expected layer among its alternatives
+    # (docs/diagnose.md §2.2): counted apart, never as named
+    cant_tell: bool = False
 
 
 def cpu_busy_frac(interval_s: float = 1.0) -> float:
@@ -238,14 +242,24 @@ def run_case(case: Case, st: Settings, num_requests: int, rate: float, seed: int
         row.error = str(e)
         row.seconds = time.monotonic() - t0
         return row
+    score(row, d)
+    row.seconds = time.monotonic() - t0
+    return row
+
+
+def score(row: Row, d: dict) -> Row:
+    """Fill ``row`` from diagnosis ``d`` (``diagnose --json``): ok when the verdict is a regression
+    whose primary layer is the expected one; cant_tell when it is not, but the primary's
+    alternatives (a can't-tell) name the expected layer."""
     row.verdict = d["verdict"]
     row.metrics = {k: (round(v["delta_pct"], 1) if v["delta_pct"] is not None else None, v["significant"])
                    for k, v in d["metrics"].items()}
     if d["primary"]:
         row.primary, row.metric = d["primary"]["layer"], d["primary"]["metric"]
         row.cause = d["findings"][0]["cause"]
-    row.ok = row.primary == case.expected and d["verdict"] == "regression"
-    row.seconds = time.monotonic() - t0
+    row.ok = row.primary == row.expected and d["verdict"] == "regression"
+    row.alternatives = list((d["primary"] or {}).get("alternatives", []))
+    row.cant_tell = not row.ok and d["verdict"] == "regression" and row.expected in row.alternatives
     return row
 
 
@@ -272,12 +286,12 @@ def run_aa(st: Settings, num_requests: int, rate: float, repeat: int) -> list[Ro
 
 
 def print_table(rows: list[Row], file=sys.stdout) -> None:
-    print(f"{'case':32s} {'expected':19s} {'primary':19s} {'verdict':16s} ok   {'busy':>5s} {'s':>4s}  cause",
+    print(f"{'case':32s} {'expected':19s} {'primary':19s} {'verdict':16s} ok    {'busy':>5s} {'s':>4s}  cause",
           file=file)
     for r in rows:
-        mark = "yes" if r.ok else ("ERR" if r.error else "no")
+        mark = "yes" if r.ok else ("ERR" if r.error else "tell?" if r.cant_tell else "no")
         cause = r.error.splitlines()[0][:70] if r.error else r.cause[:70]
-        print(f"{r.case:32s} {r.expected:19s} {str(r.primary):19s} {str(r.verdict):16s} {mark:4s} "
+        print(f"{r.case:32s} {r.expected:19s} {str(r.primary):19s} {str(r.verdict):16s} {mark:5s} "
               f"{r.others_cpus:5.2f} {r.seconds:4.0f}  {cause}", file=file)
 
 
@@ -328,8 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows + aa)
     ok, n = accuracy(rows)
     aa_ok, aa_n = accuracy(aa)
+    unsure = sum(r.cant_tell for r in rows)
     print(f"\naccuracy: {ok}/{n} faults and config changes named the expected layer"
           + (f" ({100 * ok / n:.0f}%)" if n else "")
+          + (f"; {unsure} more could not tell it from another cause and named it among the alternatives "
+             "(tell?)" if unsure else "")
           + (f"; A/A: {aa_ok}/{aa_n} no_change" if aa_n else ""))
     if args.json:
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows + aa], indent=1))

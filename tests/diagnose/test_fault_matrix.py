@@ -35,3 +35,22 @@ def test_ci_subset_names_the_expected_layer(settings, name):
             settings.fresh = False
     assert not row.error, row.error
     assert row.ok, (row.primary, row.verdict, row.cause, row.metrics)
+
+
+def test_a_cant_tell_is_counted_apart_from_a_named_layer():
+    """The matrix scores the primary layer; a can't-tell naming the expected layer among its
+    alternatives is marked (tell?) and never counted as named."""
+    from layerscope.regressions.fault_matrix import Row, accuracy, score
+
+    metrics = {"tpot_p50_s": {"delta_pct": 40.0, "significant": True}}
+    named = {"verdict": "regression", "metrics": metrics, "primary": {"metric": "tpot_p50_s", "layer": "kernel.compute"},
+             "findings": [{"cause": "time inside kernels/ops grew"}]}
+    unsure = {"verdict": "regression", "metrics": metrics,
+              "primary": {"metric": "tpot_p50_s", "layer": "model.forward",
+                          "alternatives": ["kernel.launch_gap", "kernel.compute"]},
+              "findings": [{"cause": "a fixed cost per call or a proportional slowdown"}]}
+    wrong = {**unsure, "primary": {**unsure["primary"], "alternatives": ["kernel.launch_gap"]}}
+    rows = [score(Row("a", "kernel.compute"), named), score(Row("b", "kernel.compute"), unsure),
+            score(Row("c", "kernel.compute"), wrong)]
+    assert [(r.ok, r.cant_tell) for r in rows] == [(True, False), (False, True), (False, False)]
+    assert accuracy(rows) == (1, 3)
