@@ -129,6 +129,11 @@ def machine_diff(a, b) -> dict[str, Any]:
         else:
             out["evidence"].append(f"the run's threads waited for a CPU {ma:.0%} -> {mb:.0%} of the time they were "
                                    f"runnable (p={p:.2g}): {'not significant' if abs(mb - ma) >= MIN_WAIT_SHARE else 'not a material difference'}")
+    fa, fb = (sa or {}).get("front_wait_share"), (sb or {}).get("front_wait_share")
+    if fa is not None and fb is not None:
+        out["front_wait_share"] = [float(fa), float(fb)]
+        out["evidence"].append(f"the gateway and client's process waited for a CPU {fa:.0%} -> {fb:.0%} of the "
+                               "time it was runnable")
     ya, yb = _yardstick(sa), _yardstick(sb)
     if len(ya) >= 2 and len(yb) >= 2:
         ra, rb = float(np.median(ya)), float(np.median(yb))
@@ -238,14 +243,30 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
         # time in the slower run (or more in the faster one), the machine is ruled out: the
         # requests waited for something else (routing, scheduling, admission). Steps that moved
         # less than that leave it possible (a queue amplifies a brief slow spell), so it stays.
+        # A change that sits in the front end (the gateway and client's process, not the engine's)
+        # is judged by that process's own wait for a CPU, where it was recorded: the engine's steps
+        # say nothing of how much CPU another process got.
         sr = causes.step_ratio()
-        if not math.isnan(sr):
-            kept_by_steps = [n for n in explained if (sr > 1 / STEP_NOISE if metrics[n]["worse"] else sr < STEP_NOISE)]
+        front = {n: _front_contended(env, metrics[n]["worse"]) for n in explained
+                 if _front_located(findings, n) and env.get("front_wait_share")}
+        if not math.isnan(sr) or front:
+            kept_by_steps = [n for n in explained if front.get(n)]
+            kept_by_steps += [n for n in explained if n not in front and (math.isnan(sr) or (
+                sr > 1 / STEP_NOISE if metrics[n]["worse"] else sr < STEP_NOISE))]
             if len(kept_by_steps) < len(explained):
-                note = (f"the machine's speed varied while the runs were recorded, but a step at equal batch "
-                        f"size took x{sr:.2f} the time in the candidate, the other way: the machine does not "
-                        f"explain {', '.join(n for n in explained if n not in kept_by_steps)}; " + note)
-                explained = kept_by_steps
+                out_front = [n for n in explained if n in front and not front[n]]
+                out_steps = [n for n in explained if n not in kept_by_steps and n not in front]
+                why = []
+                if out_steps:
+                    why.append(f"a step at equal batch size took x{sr:.2f} the time in the candidate, the other way: "
+                               f"the machine does not explain {', '.join(out_steps)}")
+                if out_front:
+                    fa, fb = env["front_wait_share"]
+                    why.append(f"the change sits in the front end, whose process waited for a CPU {fa:.0%} -> "
+                               f"{fb:.0%} of its runnable time, not more in the slower run: the machine does not "
+                               f"explain {', '.join(out_front)}")
+                note = "the machine's speed varied while the runs were recorded, but " + "; ".join(why) + "; " + note
+            explained = [n for n in explained if n in kept_by_steps]
     if not explained:
         for f in findings:
             f["evidence"].append(note)
@@ -255,7 +276,8 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     rng = env.get("machine_range")
     factor = max(1.5, rng if rng is not None and not math.isnan(rng) else 1.0)
     worse = metrics[explained[0]].get("delta_pct", 0) * (1 if _higher_is_worse(explained[0]) else -1) > 0
-    standout = causes.standout_phase(worse, factor=factor) or _standout_front(causes, findings, worse, factor)
+    standout = causes.standout_phase(worse, factor=factor) or (
+        None if _front_contended(env, worse) else _standout_front(causes, findings, worse, factor))
     software = [f for f in findings if f["layer"] != "hardware"]
     top = max(software, key=lambda f: f["_score"]) if software else None
     keyed = cdiff[cdiff["kind"].isin(["config", "resolved"])] if len(cdiff) else cdiff
@@ -324,6 +346,26 @@ def _within(phase: str) -> set[str]:
     return {phase, "kernel.compute", "kernel.launch_gap", "parallel.collective"} if phase == "model.forward" else {phase}
 
 
+FRONT_LAYERS = ("client", "gateway.queue", "gateway.route")  # time spent in the gateway and client's process
+
+
+def _front_located(findings: list[dict], metric: str) -> bool:
+    """The finding that explains most of ``metric``'s change is in the front end."""
+    own = [f for f in findings if f["metric"] == metric and (f["share"] or 0) > 0]
+    return bool(own) and max(own, key=lambda f: f["share"])["layer"] in FRONT_LAYERS
+
+
+def _front_contended(env: dict, worse: bool) -> bool:
+    """The gateway and client's process waited for a CPU more (by MIN_WAIT_SHARE of its runnable
+    time) in the run that came out slower: contention among the run's own processes (or with
+    others) reaches the front end's queue directly, whatever the engine's steps did."""
+    shares = env.get("front_wait_share")
+    if not shares or any(x is None or math.isnan(x) for x in shares):
+        return False
+    fa, fb = shares
+    return (fb - fa if worse else fa - fb) >= MIN_WAIT_SHARE
+
+
 def _standout_front(causes, findings: list[dict], worse: bool, factor: float) -> dict | None:
     """A front-end component (gateway.queue, gateway.route) whose per-request median moved by
     more than the machine's own range, in a finding that carries >= 30% of its metric's change:
@@ -345,7 +387,7 @@ def _standout_front(causes, findings: list[dict], worse: bool, factor: float) ->
 
 def machine_json(env: dict) -> dict:
     keys = ("recorded", "changed", "busier", "contention_changed", "speed_changed", "outside_cpu_cores",
-            "contention_p_value", "run_wait_share", "run_wait_p_value", "machine_range", "leaning", "yardstick_s", "yardstick_ratio", "yardstick_p_value", "load_1m",
+            "contention_p_value", "run_wait_share", "run_wait_p_value", "front_wait_share", "machine_range", "leaning", "yardstick_s", "yardstick_ratio", "yardstick_p_value", "load_1m",
             "gpu_other_procs", "evidence")
     return {k: _num(env[k]) if not isinstance(env.get(k), list) else [_num(x) for x in env[k]]
             for k in keys if k in env}

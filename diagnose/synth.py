@@ -111,6 +111,7 @@ class SynthSpec:
     outside_cpu_cores: float | None = None  # other processes' CPU use while the run was recorded
     yardstick_s: float = 0.1  # the fixed yardstick's time (a slower machine: larger)
     yardstick_spike: float = 1.0  # the first timing after the load this many times slower (a slow spell)
+    front_wait_share: float | None = None  # the gateway/client process's CPU wait share (None: unmeasured)
     # probes
     layer_timing_interval: int = 16
     profile_windows: int = 2  # kernel profiler windows of 4 steps each (0: none)
@@ -498,6 +499,9 @@ def _machine(spec: SynthSpec, out: Path, duration_ns: int) -> dict[str, Any]:
             "steal_cores": np.zeros(n), "load_1m": outside + run, "cpu_freq_mhz": np.full(n, 2600.0)}
     for c in ("gpu_util_pct", "gpu_other_procs", "gpu_other_memory_bytes"):
         cols[c] = np.full(n, np.nan)
+    front = spec.front_wait_share
+    cols["front_cpu_cores"] = np.full(n, 0.3)
+    cols["front_wait_cores"] = np.full(n, np.nan if front is None else 0.3 * front / (1 - front))
     pq.write_table(pa.Table.from_pydict(cols, schema=schema.MACHINE), out / "machine.parquet")
     ys = (spec.yardstick_s * np.exp(rng.normal(0, 0.02, 6))).tolist()
     ys[3] *= spec.yardstick_spike
@@ -505,7 +509,8 @@ def _machine(spec: SynthSpec, out: Path, duration_ns: int) -> dict[str, Any]:
             "yardstick": {"work": "synthetic", "before_s": ys[:3], "after_s": ys[3:], "median_s": float(np.median(ys))},
             "outside_cpu_cores_mean": float(outside.mean()), "outside_cpu_cores_p90": float(np.quantile(outside, 0.9)),
             "run_cpu_cores_mean": float(run.mean()), "steal_cores_mean": 0.0, "load_1m_mean": float((outside + run).mean()),
-            "cpu_freq_mhz_mean": 2600.0, "gpu_util_pct_mean": None, "gpu_other_procs_max": None}
+            "cpu_freq_mhz_mean": 2600.0, "gpu_util_pct_mean": None, "gpu_other_procs_max": None,
+            "front_wait_share": front}
 
 
 def _rows_table(sch: pa.Schema, rows: list[tuple]) -> pa.Table:

@@ -142,11 +142,15 @@ class MachineSampler:
         waited: dict[int, float] = {}  # pid -> its threads' run-queue wait seconds at the last sample
         ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
+        front = [0.0, 0.0]  # the root process's own CPU and wait seconds in the last sample
+
         def tree_cpu(first: bool = False) -> tuple[float, float, set[int]]:
             """CPU seconds the run's tree used, and seconds its threads waited runnable for a CPU
             (/proc/PID/task/*/schedstat), since the last sample (exited processes keep their last
-            count; a process new since the last sample counts all its time)."""
+            count; a process new since the last sample counts all its time). The root process's
+            own share goes to ``front`` (in ``layerscope run``: the gateway and the client)."""
             d, w, pids = 0.0, 0.0, set()
+            front[0] = front[1] = 0.0
             try:
                 procs = [root] + root.children(recursive=True)
             except psutil.Error:
@@ -158,12 +162,17 @@ class MachineSampler:
                 except psutil.Error:
                     continue
                 pids.add(p.pid)
-                d += max(c - seen.get(p.pid, c if first else 0.0), 0.0)
+                dc = max(c - seen.get(p.pid, c if first else 0.0), 0.0)
+                d += dc
                 seen[p.pid] = c
                 q = _wait_s(p.pid)
+                dw = 0.0
                 if not math.isnan(q):
-                    w += max(q - waited.get(p.pid, q if first else 0.0), 0.0)
+                    dw = max(q - waited.get(p.pid, q if first else 0.0), 0.0)
+                    w += dw
                     waited[p.pid] = q
+                if p.pid == self.root_pid:
+                    front[0], front[1] = dc, dw if not math.isnan(q) else math.nan
             return d, w, pids
 
         def machine_cpu() -> tuple[float, float]:
@@ -190,6 +199,8 @@ class MachineSampler:
                 "t_ns": time.monotonic_ns(), "interval_s": dt, "cpu_busy_cores": busy, "run_cpu_cores": run_s / dt,
                 "outside_cpu_cores": float(np.clip(busy - run_s / dt, 0.0, ncpu)),
                 "run_wait_cores": wait_s / dt if has_schedstat else math.nan,
+                "front_cpu_cores": front[0] / dt,
+                "front_wait_cores": front[1] / dt if has_schedstat else math.nan,
                 "steal_cores": (steal1 - steal0) / dt if not math.isnan(steal1) else math.nan,
                 "load_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan,
                 "cpu_freq_mhz": _cpu_freq_mhz(), "gpu_util_pct": util, "gpu_other_procs": procs,
@@ -226,12 +237,30 @@ class MachineSampler:
             "outside_cpu_cores_p90": stat("outside_cpu_cores", lambda v: np.quantile(v, 0.9)),
             "run_cpu_cores_mean": stat("run_cpu_cores", np.mean),
             "run_wait_cores_mean": stat("run_wait_cores", np.mean),
+            "front_wait_share": _front_wait_share(rows),
             "steal_cores_mean": stat("steal_cores", np.mean),
             "load_1m_mean": stat("load_1m", np.mean),
             "cpu_freq_mhz_mean": stat("cpu_freq_mhz", np.mean),
             "gpu_util_pct_mean": stat("gpu_util_pct", np.mean),
             "gpu_other_procs_max": stat("gpu_other_procs", np.max),
         }
+
+
+def client_machine_section(before_s: list[float], after_s: list[float]) -> dict[str, Any]:
+    """manifest["machine"] of a client-side bundle (``bench --endpoint``): the yardstick only. The
+    server is not this process's child, so its CPU would count as "other processes": contention
+    is not the client's to measure; the machine's speed (and how much it varied) is."""
+    ys = before_s + after_s
+    return {"source": "client", "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(), "yardstick": {"work": YARDSTICK_WORK, "before_s": before_s, "after_s": after_s,
+                                               "median_s": float(np.median(ys)) if ys else None}}
+
+
+def _front_wait_share(rows: list[dict[str, float]]) -> float | None:
+    """Over the whole load: the root process's run-queue wait / (wait + CPU) (None when unmeasured)."""
+    w = sum(r["front_wait_cores"] * r["interval_s"] for r in rows if not math.isnan(r["front_wait_cores"]))
+    c = sum(r["front_cpu_cores"] * r["interval_s"] for r in rows if not math.isnan(r["front_wait_cores"]))
+    return float(w / (w + c)) if w + c > 0 else None
 
 
 def _wait_s(pid: int) -> float:

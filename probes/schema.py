@@ -188,6 +188,8 @@ MACHINE = pa.schema(
         ("run_cpu_cores", pa.float64()),  # the run's own process tree
         ("outside_cpu_cores", pa.float64()),  # busy - run: other processes
         ("run_wait_cores", pa.float64()),  # the run's threads runnable but waiting for a CPU (schedstat)
+        ("front_cpu_cores", pa.float64()),  # of run_cpu_cores, the root process's (gateway + client in a run)
+        ("front_wait_cores", pa.float64()),  # of run_wait_cores, the root process's
         ("steal_cores", pa.float64()),  # hypervisor steal (other VMs)
         ("load_1m", pa.float64()),
         ("cpu_freq_mhz", pa.float64()),

@@ -18,6 +18,7 @@ import numpy as np
 from layerscope.diagnose.external import measures as ms
 from layerscope.diagnose.external.config import engine_diff
 from layerscope.diagnose.external.run import ExternalRun, load_external
+from layerscope.diagnose.machine import machine_diff, machine_explains, machine_json, machine_relevant
 from layerscope.diagnose.stats import EXTERNAL_RULE, Rule, compare_quantile, compare_rate, quantile, sensitivity
 
 SCHEMA = "layerscope.diagnosis/1"
@@ -187,18 +188,64 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     wl_changed = any(w["material"] for w in wdiff)
     verdict = ("workload_changed" if wl_changed and (worse or better) else "regression" if worse else
                "improvement" if better else "no_change")
+    env = machine_diff(_MachineView(a), _MachineView(b))
+    if verdict in ("regression", "improvement"):
+        verdict, findings = _machine_verdict(verdict, metrics, findings, env, cdiff, worse or better)
     for c in cdiff:  # a changed key is consistent when a finding names the layer it acts on
         c["consistent"] = any(f["layer"] == c["layer"] for f in findings) if c["layer"] and findings else None
     primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
                else None)
     return {"schema": SCHEMA, "baseline": a.name, "candidate": b.name, "verdict": verdict, "metrics": metrics,
             "findings": findings, "primary": primary, "config_diff": cdiff, "workload_diff": wdiff,
+            "machine": machine_json(env),
             "external": {"paired": paired, "server_split": {"baseline": sa, "candidate": sb},
                          "kv": dict(zip(("baseline", "candidate"), ctx["kv"])),
                          "prefix_cache": dict(zip(("baseline", "candidate"), ctx["prefix"])),
                          "batch": dict(zip(("baseline", "candidate"), ctx["batch"])),
                          "engine": {"baseline": a.engine.get("version"), "candidate": b.engine.get("version")},
                          "visibility": {"baseline": a.visibility(), "candidate": b.visibility()}}}
+
+
+class _MachineView:
+    """What ``machine.machine_diff`` reads of a run: (samples, manifest["machine"]). A client-side
+    bundle has the yardstick only (``probes.machine.client_machine_section``); older ones nothing."""
+
+    def __init__(self, run: ExternalRun):
+        section = run.manifest.get("machine")
+        self.machine = (None, section if isinstance(section, dict) else None)
+
+
+def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, cdiff: list[dict],
+                     decided: list[str]) -> tuple[str, list[dict]]:
+    """The external analogue of ``machine.machine_verdict``. An external run has no step phases to
+    stand out, so the software evidence is a config or version change between the runs: with one,
+    the findings stay and carry the machine's evidence; without, a change the machine explains (its
+    speed differed the way the change went, or varied while the runs were recorded) is
+    ``environment_changed``, one ``hardware`` finding per metric that decided the verdict."""
+    if not machine_relevant(env):
+        return verdict, findings
+    note = ("the machine differed too: " if env.get("changed") else "the machine: ") + "; ".join(env["evidence"])
+    explained = [n for n in decided if machine_explains(metrics[n], not n.startswith(("output_tokens", "goodput")),
+                                                         env)]
+    if cdiff or len(explained) < len(decided):
+        for f in findings:
+            f["evidence"].append(note)
+        return verdict, findings
+    who = env.get("busier") or env.get("leaning")
+    hw = []
+    for n in explained:
+        m = metrics[n]
+        up = (m.get("delta_pct") or 0) > 0
+        slower = "slower" if up == (not n.startswith(("output_tokens", "goodput"))) else "faster"
+        side = who if who is not None and (who == "candidate") == (slower == "slower") else None
+        hw.append({"metric": n, "layer": "hardware", "share": 1.0,
+                   "delta_s": (m["candidate"] - m["baseline"]) if n.endswith("_s") and m.get("candidate") is not None
+                   and m.get("baseline") is not None else None,
+                   "cause": f"the machine, not the server: the candidate ran {slower}, the "
+                            f"{side + ' ' if side else ''}machine {'was slower' if side else 'varied'} (evidence "
+                            "below), and neither the server's config nor its version changed",
+                   "evidence": list(env["evidence"]), "config_changes": [], "alternatives": []})
+    return "environment_changed", hw + [f for f in findings if f["metric"] not in explained]
 
 
 def _d(x: float | None, y: float | None) -> float | None:

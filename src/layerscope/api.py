@@ -146,6 +146,7 @@ def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Map
     log (vLLM, SGLang), whose config and periodic stats go into the bundle (docs/external.md).
     ``on_result(result, path, requests)``: called with the load generator's result once the bundle
     is written (the CLI writes ``vllm bench serve``'s result JSON from it)."""
+    from layerscope.probes.machine import client_machine_section, yardstick
     from layerscope.regressions import capture
     from layerscope.regressions.load.loadgen import run_load
 
@@ -159,6 +160,9 @@ def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Map
     out = Path(out)
     _check_out(out, overwrite)
     before = _scrape(endpoint, api_key)
+    # the machine's speed, by the fixed yardstick before and after the load (issue 16): the server is
+    # another process tree (maybe another machine), so only this speed evidence is the client's to give
+    ys_before = yardstick(3)
     scraper = capture.Scraper(endpoint, scrape_interval_s, api_key).start() if before else None
     try:
         result = run_load(endpoint, spec, requests, model=served_model, api_key=api_key, progress=progress,
@@ -166,6 +170,7 @@ def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Map
     finally:
         if scraper is not None:
             scraper.stop()
+    ys_after = yardstick(3)
     after = _scrape(endpoint, api_key)
     # the server's config is unknown to a client: the manifest's config stays empty, and the
     # endpoint goes with the client's summary
@@ -180,6 +185,7 @@ def bench(*, endpoint: str, workload: Any, out: str | Path, workload_params: Map
     writer = _run_writer(BundleWriter)(out, command=command, config={}, workload=spec.to_dict(), faults={},
                                        probes="off", overwrite=overwrite)
     writer.client_summary = summary
+    writer.machine = client_machine_section(ys_before, ys_after)
     if after:
         writer.add_metrics_text(after)
     writer.start_ns, writer.end_ns = result.start_ns, result.end_ns

@@ -30,6 +30,10 @@ def test_sampler_records_a_table_and_a_manifest_section(tmp_path):
     assert len(sec["yardstick"]["before_s"]) == 2 and len(sec["yardstick"]["after_s"]) == 2
     assert all(v > 0 for v in sec["yardstick"]["before_s"] + sec["yardstick"]["after_s"])
     assert sec["num_samples"] == len(m.rows) and sec["run_cpu_cores_mean"] > 0
+    # this process is the run's root: its own CPU is the front end's (the gateway and client's in a run)
+    front = t.column("front_cpu_cores").to_pylist()
+    assert max(front) > 0.05 and all(f <= r + 1e-6 for f, r in zip(front, run))
+    assert sec["front_wait_share"] is None or 0 <= sec["front_wait_share"] < 1
     from layerscope.probes.bundle import write_table
     from layerscope.probes.machine import MACHINE_FILE
 
@@ -166,3 +170,23 @@ def test_a_machine_that_only_varied_does_not_explain_a_slower_candidate_whose_st
                         (a, synth(**{**unmoved, "router_skew": 0.0, "machine_slowdown": 1.5}))):
         d = compare(base, other).diagnosis
         assert d["verdict"] == "environment_changed" and d["primary"]["layer"] == "hardware", d["findings"][:2]
+
+
+def test_a_front_end_that_waited_for_a_cpu_leaves_the_machine_possible(synth):
+    """A change that sits in the gateway's queue is judged by the gateway and client's own process,
+    not by the engine's steps: an A/A burst pair came out gateway.queue p50 19 -> 114 ms while the
+    engine's steps were x0.81 (the two processes share two cores; which one the scheduler favours
+    varies). Where that process waited for a CPU 30 points more of its runnable time in the slower
+    run, the machine stays possible; where it did not, the gateway is named as before."""
+    a = synth(seed=1, noise_seed=1, outside_cpu_cores=0.3, front_wait_share=0.05)
+    slow_front = dict(seed=1, noise_seed=2, outside_cpu_cores=0.3, yardstick_spike=2.3, machine_slowdown=0.9,
+                      gateway_delay_s=0.05)
+    d = compare(a, synth(**slow_front, front_wait_share=0.35)).diagnosis
+    assert d["machine"]["front_wait_share"] == pytest.approx([0.05, 0.35])
+    assert d["verdict"] == "environment_changed" and d["primary"]["layer"] == "hardware", d["findings"][:2]
+    d = compare(a, synth(**slow_front, front_wait_share=0.06)).diagnosis
+    assert d["verdict"] == "regression" and d["primary"]["layer"] == "gateway.queue", d["findings"][:2]
+    assert any("not more in the slower run" in e or "stands out" in e for e in d["findings"][0]["evidence"])
+    # bundles without the front end's wait (older ones) keep the step rule
+    d = compare(synth(seed=1, noise_seed=1, outside_cpu_cores=0.3), synth(**slow_front)).diagnosis
+    assert d["verdict"] == "regression" and d["primary"]["layer"] == "gateway.queue", d["findings"][:2]

@@ -257,3 +257,49 @@ def test_the_clients_decide_the_verdict_when_there_are_clients(tmp_path):
                      "--out", str(tmp_path / side)]) == 0
     d = compare_external(tmp_path / "a", tmp_path / "b")
     assert d["verdict"] == "regression" and d["primary"]["metric"] == "server_prefill_time_mean_s", d["findings"][:1]
+
+
+def _with_yardstick(bundle: Path, timings: list[float]) -> None:
+    """Give a bundle the client's machine evidence (``bench`` writes it: probes.machine.client_machine_section)."""
+    mf = bundle / "manifest.json"
+    m = json.loads(mf.read_text())
+    m["machine"] = {"source": "client", "cpus_usable": 2, "yardstick": {
+        "work": "test", "before_s": timings[:3], "after_s": timings[3:], "median_s": sorted(timings)[3]}}
+    mf.write_text(json.dumps(m))
+
+
+def test_a_machine_that_varied_explains_an_external_change_only_without_a_server_change(tmp_path):
+    """An external comparison's software evidence is a config or version change of the server: with
+    none, a change on a machine whose speed varied while the runs were recorded (the client's yardstick
+    ranged x2.5) is environment_changed; with one, the software finding stays and carries the machine's
+    evidence. Bundles without the yardstick compare as before."""
+    pair = DATA / "layerscope-dialect-burst-aa"
+
+    def imported(name: str, side: str, *extra: str) -> Path:
+        assert main(["import", "metrics", str(pair / side / "metrics_before.prom"), str(pair / side / "metrics.prom"),
+                     "--out", str(tmp_path / name), *extra]) == 0
+        return tmp_path / name
+
+    a, b = imported("a", "a"), imported("b", "b")
+    assert compare_external(a, b)["verdict"] == "regression"  # the server's prefill time, no machine evidence
+    _with_yardstick(a, [0.10] * 6)
+    _with_yardstick(b, [0.10, 0.10, 0.10, 0.25, 0.10, 0.10])
+    d = compare_external(a, b)
+    assert d["machine"]["recorded"] and d["machine"]["machine_range"] == pytest.approx(2.5)
+    assert d["verdict"] == "environment_changed" and d["primary"]["layer"] == "hardware", d["findings"][:1]
+    assert d["findings"][0]["evidence"] and "varied" in d["findings"][0]["cause"]
+
+    def log(seqs: int) -> Path:
+        p = tmp_path / f"seqs{seqs}.log"
+        p.write_text(f"INFO api_utils.py:286] non-default args: {{'model': 'm', 'max_num_seqs': {seqs}}}\n"
+                     "INFO core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: model='m', "
+                     "enable_prefix_caching=True, max_seq_len=2048\n")
+        return p
+
+    c, e = imported("c", "a", "--server-log", str(log(8))), imported("e", "b", "--server-log", str(log(2)))
+    _with_yardstick(c, [0.10] * 6)
+    _with_yardstick(e, [0.10, 0.10, 0.10, 0.25, 0.10, 0.10])
+    d = compare_external(c, e)
+    assert "max_num_seqs" in [r["key"] for r in d["config_diff"]]
+    assert d["verdict"] == "regression" and d["primary"]["layer"] != "hardware", d["findings"][:1]
+    assert any(ev.startswith("the machine") for ev in d["findings"][0]["evidence"])

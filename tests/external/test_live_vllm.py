@@ -42,8 +42,14 @@ def test_starved_kv_cache_is_engine_kv(vllm_runs):
 
 @pytest.mark.parametrize("a,b", [("aa1", "aa2"), ("aa2", "aa3"), ("agentic1", "agentic2")])
 def test_aa_pairs_say_no_change(vllm_runs, a, b):
+    """No software verdict between identical benches of one server: no_change, or environment_changed
+    where the client's yardstick saw the machine's speed vary (a CI run's pair moved tokens/s +70 %
+    between two identical benches on a quiet machine: vLLM's CPU serving on two shared cores)."""
     d = _diag(vllm_runs[a], vllm_runs[b])
-    assert d["verdict"] == "no_change", {k: (v["delta_pct"], v["significant"]) for k, v in d["metrics"].items()}
+    assert d["verdict"] in ("no_change", "environment_changed"), (
+        d["machine"], {k: (v["delta_pct"], v["significant"]) for k, v in d["metrics"].items()})
+    if d["verdict"] == "environment_changed":
+        assert d["primary"]["layer"] == "hardware" and d["machine"]["machine_range"] >= 1.25
     assert d["config_diff"] == []
 
 

@@ -206,6 +206,12 @@ def test_bench_writes_a_client_side_bundle(stack, tmp_path):
     assert "layerscope_time_to_first_token_seconds" in b.metrics_text  # scraped from the server
     before = (out / "metrics_before.prom").read_text()
     assert "layerscope_gateway_queue_length" in before and "layerscope_kv_cache_usage_perc" in before
+    # the client's machine evidence: the yardstick timed before and after the load (no contention
+    # samples: the server is not the client's process tree)
+    y = b.manifest["machine"]["yardstick"]
+    assert b.manifest["machine"]["source"] == "client" and len(y["before_s"]) == len(y["after_s"]) == 3
+    assert all(0 < t < 60 for t in y["before_s"] + y["after_s"])
+    assert not (out / "machine.parquet").exists()
 
 
 # ---- layerscope run: one bundle per built-in workload ------------------------------------------------
