@@ -201,7 +201,7 @@ def machine_relevant(env: dict[str, Any]) -> bool:
 
 
 # ---- what the comparison does with it ----------------------------------------------------------
-def _higher_is_worse(name: str) -> bool:
+def higher_is_worse(name: str) -> bool:
     return not name.startswith(("output_tokens_per_s", "goodput"))
 
 
@@ -235,7 +235,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     can move the layer the cause rules named. Then the software finding stays, and the machine
     difference is added to its evidence. ``interleaved``: see ``machine_explains``."""
     sig = [n for n, m in metrics.items() if m["significant"]]
-    explained = [n for n in sig if machine_explains(metrics[n], _higher_is_worse(n), env, interleaved)]
+    explained = [n for n in sig if machine_explains(metrics[n], higher_is_worse(n), env, interleaved)]
     note = ("the machine differed too: " if env.get("changed") else "the machine: ") + "; ".join(env["evidence"])
     if explained and not env.get("changed"):
         # The machine's speed only varied (it did not differ between the runs): it reaches the
@@ -248,25 +248,28 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
         # say nothing of how much CPU another process got.
         sr = causes.step_ratio()
         front = {n: _front_contended(env, metrics[n]["worse"]) for n in explained
-                 if _front_located(findings, n) and env.get("front_wait_share")}
-        if not math.isnan(sr) or front:
-            kept_by_steps = [n for n in explained if front.get(n)]
-            kept_by_steps += [n for n in explained if n not in front and (math.isnan(sr) or (
-                sr > 1 / STEP_NOISE if metrics[n]["worse"] else sr < STEP_NOISE))]
-            if len(kept_by_steps) < len(explained):
-                out_front = [n for n in explained if n in front and not front[n]]
-                out_steps = [n for n in explained if n not in kept_by_steps and n not in front]
-                why = []
-                if out_steps:
-                    why.append(f"a step at equal batch size took x{sr:.2f} the time in the candidate, the other way: "
-                               f"the machine does not explain {', '.join(out_steps)}")
-                if out_front:
-                    fa, fb = env["front_wait_share"]
-                    why.append(f"the change sits in the front end, whose process waited for a CPU {fa:.0%} -> "
-                               f"{fb:.0%} of its runnable time, not more in the slower run: the machine does not "
-                               f"explain {', '.join(out_front)}")
-                note = "the machine's speed varied while the runs were recorded, but " + "; ".join(why) + "; " + note
-            explained = [n for n in explained if n in kept_by_steps]
+                 if env.get("front_wait_share") and _front_located(findings, n)}
+
+        def still_possible(n: str) -> bool:
+            if n in front:
+                return front[n]
+            return math.isnan(sr) or (sr > 1 / STEP_NOISE if metrics[n]["worse"] else sr < STEP_NOISE)
+
+        kept = [n for n in explained if still_possible(n)]
+        if len(kept) < len(explained):
+            out_front = [n for n in explained if n in front and not front[n]]
+            out_steps = [n for n in explained if n not in kept and n not in front]
+            why = []
+            if out_steps:
+                why.append(f"a step at equal batch size took x{sr:.2f} the time in the candidate, the other way: "
+                           f"the machine does not explain {', '.join(out_steps)}")
+            if out_front:
+                fa, fb = env["front_wait_share"]
+                why.append(f"the change sits in the front end, whose process waited for a CPU {fa:.0%} -> "
+                           f"{fb:.0%} of its runnable time, not more in the slower run: the machine does not "
+                           f"explain {', '.join(out_front)}")
+            note = "the machine's speed varied while the runs were recorded, but " + "; ".join(why) + "; " + note
+        explained = kept
     if not explained:
         for f in findings:
             f["evidence"].append(note)
@@ -275,7 +278,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     # range (the yardstick's slowest/fastest): multi-threaded phases suffer more from contention
     rng = env.get("machine_range")
     factor = max(1.5, rng if rng is not None and not math.isnan(rng) else 1.0)
-    worse = metrics[explained[0]].get("delta_pct", 0) * (1 if _higher_is_worse(explained[0]) else -1) > 0
+    worse = metrics[explained[0]].get("delta_pct", 0) * (1 if higher_is_worse(explained[0]) else -1) > 0
     standout = causes.standout_phase(worse, factor=factor) or (
         None if _front_contended(env, worse) else _standout_front(causes, findings, worse, factor))
     software = [f for f in findings if f["layer"] != "hardware"]
@@ -318,7 +321,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     for n in explained:
         m = metrics[n]
         measured = [e for f in findings if f["metric"] == n for e in f["evidence"] if e.startswith("measured in")]
-        slower = "slower" if (m["delta_pct"] or 0) * (1 if _higher_is_worse(n) else -1) > 0 else "faster"
+        slower = "slower" if (m["delta_pct"] or 0) * (1 if higher_is_worse(n) else -1) > 0 else "faster"
         who = env.get("busier") or env.get("leaning")
         if who is not None and (who == "candidate") != (slower == "slower"):
             who = None  # the evidence leans the other way: only the machine's variation explains it

@@ -18,7 +18,7 @@ import numpy as np
 from layerscope.diagnose.external import measures as ms
 from layerscope.diagnose.external.config import engine_diff
 from layerscope.diagnose.external.run import ExternalRun, load_external
-from layerscope.diagnose.machine import machine_diff, machine_explains, machine_json, machine_relevant
+from layerscope.diagnose.machine import higher_is_worse, machine_diff, machine_explains, machine_json, machine_relevant
 from layerscope.diagnose.stats import EXTERNAL_RULE, Rule, compare_quantile, compare_rate, quantile, sensitivity
 
 SCHEMA = "layerscope.diagnosis/1"
@@ -225,8 +225,7 @@ def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dic
     if not machine_relevant(env):
         return verdict, findings
     note = ("the machine differed too: " if env.get("changed") else "the machine: ") + "; ".join(env["evidence"])
-    explained = [n for n in decided if machine_explains(metrics[n], not n.startswith(("output_tokens", "goodput")),
-                                                         env)]
+    explained = [n for n in decided if machine_explains(metrics[n], higher_is_worse(n), env)]
     if cdiff or len(explained) < len(decided):
         for f in findings:
             f["evidence"].append(note)
@@ -235,8 +234,7 @@ def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dic
     hw = []
     for n in explained:
         m = metrics[n]
-        up = (m.get("delta_pct") or 0) > 0
-        slower = "slower" if up == (not n.startswith(("output_tokens", "goodput"))) else "faster"
+        slower = "slower" if ((m.get("delta_pct") or 0) > 0) == higher_is_worse(n) else "faster"
         side = who if who is not None and (who == "candidate") == (slower == "slower") else None
         hw.append({"metric": n, "layer": "hardware", "share": 1.0,
                    "delta_s": (m["candidate"] - m["baseline"]) if n.endswith("_s") and m.get("candidate") is not None
