@@ -278,7 +278,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     # range (the yardstick's slowest/fastest): multi-threaded phases suffer more from contention
     rng = env.get("machine_range")
     factor = max(1.5, rng if rng is not None and not math.isnan(rng) else 1.0)
-    worse = metrics[explained[0]].get("delta_pct", 0) * (1 if higher_is_worse(explained[0]) else -1) > 0
+    worse = metrics[explained[0]]["worse"]  # explained metrics are significant: "worse" is their direction
     standout = causes.standout_phase(worse, factor=factor) or (
         None if _front_contended(env, worse) else _standout_front(causes, findings, worse, factor))
     software = [f for f in findings if f["layer"] != "hardware"]
@@ -321,7 +321,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     for n in explained:
         m = metrics[n]
         measured = [e for f in findings if f["metric"] == n for e in f["evidence"] if e.startswith("measured in")]
-        slower = "slower" if (m["delta_pct"] or 0) * (1 if higher_is_worse(n) else -1) > 0 else "faster"
+        slower = "slower" if m["worse"] else "faster"
         who = env.get("busier") or env.get("leaning")
         if who is not None and (who == "candidate") != (slower == "slower"):
             who = None  # the evidence leans the other way: only the machine's variation explains it
