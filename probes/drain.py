@@ -5,7 +5,7 @@ a finished request's engine row and trace are made (``ProbeRecorder`` uses it to
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -14,7 +14,28 @@ from layerscope.probes.requests import Phase, engine_row, gateway_phases
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
-DRAIN_FORMAT = "layerscope.recorder-drain"  # a replica's raw drain (ProbeRecorder.drain)
+DRAIN_FORMAT = "layerscope.recorder-drain/2"  # a replica's raw drain (ProbeRecorder.drain); /2: tuples
+
+if TYPE_CHECKING:
+    from layerscope.engine.recorder import StepRecord
+
+
+def drain_steps(d: dict[str, Any]) -> "list[StepRecord]":
+    """A drain's steps as ``StepRecord``s (shipped as tuples of their fields)."""
+    from layerscope.engine.recorder import StepRecord  # here: the bundle reader imports this module
+
+    return [StepRecord(*t) for t in d["steps"]]
+
+
+def drain_requests(d: dict[str, Any]):
+    """A drain's finished requests: (rid, info, events, step_idx, sampled_idx, outer, traceparent),
+    events as ``RequestEvent``s and step indices into ``d["steps"]``."""
+    from layerscope.engine.request import RequestEvent, RequestEventType
+
+    base = d["index_base"]
+    for rid, info, events, step_idx, sampled_idx, outer, tp in d["requests_raw"]:
+        evs = [RequestEvent(RequestEventType(v), ts, attrs if attrs is not None else {}) for v, ts, attrs in events]
+        yield rid, info, evs, [i - base for i in step_idx], [i - base for i in sampled_idx], outer, tp
 PART_FORMAT = "layerscope.bundle-part"  # tables as Arrow IPC bytes (an export; the gateway's drain)
 
 
@@ -40,9 +61,9 @@ def drain_tables(d: dict[str, Any], tracer: RequestTracer) -> dict[str, pa.Table
     """The bundle tables of a replica's ``drain()`` (request rows not finalized, gateway fields filled
     in; ``steps`` with the context steps); builds the requests' spans with ``tracer`` (the writer's,
     one per replica)."""
-    rep, steps, coll = d["replica_col"], d["steps"], d["coll_ns"]
+    rep, steps, coll = d["replica_col"], drain_steps(d), d["coll_ns"]
     rows = list(d["request_rows"])
-    for rid, info, events, step_idx, sampled_idx, outer, tp in d["requests_raw"]:
+    for rid, info, events, step_idx, sampled_idx, outer, tp in drain_requests(d):
         row = build_request(rid, rep, info, events, steps, step_idx, sampled_idx, coll, outer, tp, tracer)
         rows.append(fill(row, outer or {}))
     spans = d["spans"] + tracer.exporter.rows

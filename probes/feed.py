@@ -6,7 +6,8 @@ requests are fed every ``every_steps`` steps, when the engine goes idle, and bef
 any scrape (a collector registered first in the registry flushes). Flushes come
 from the step loop and from scrape threads, hence the lock. A flush does one bulk
 update per histogram: step columns read with one ``attrgetter`` per step, buckets
-counted by numpy, the inter-token gaps of every finished request at once.
+counted by numpy, the inter-token gaps of every finished request at once (each step's token
+time kept in one array as the steps are fed, so a gap is two array reads).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from prometheus_client import CollectorRegistry
 
 from layerscope.contract import FINISH_REASON, tpot_s
 from layerscope.probes.metrics import STEP_PHASES, MetricSet, observe_many
-from layerscope.probes.requests import _events
 
 if TYPE_CHECKING:
     from layerscope.engine.recorder import CollectiveRecord, StepRecord
@@ -44,11 +44,10 @@ class RecordSource(Protocol):
 
     def gateway_fields(self, request_id: str) -> dict[str, Any] | None: ...
 
-    def token_times_ns(self, indices: list[int]) -> list[int]: ...
-
 _PHASE_NS = tuple(f"{p}_ns" for p in STEP_PHASES)  # StepRecord fields, in STEP_PHASES order
+_OUTPUT = _PHASE_NS.index("output_ns")
 _STEP_COLUMNS = attrgetter(*_PHASE_NS, "num_prefill_tokens", "num_decode_tokens", "num_prefix_queries",
-                           "num_prefix_hits", "num_preemptions")
+                           "num_prefix_hits", "num_preemptions", "end_ns")
 _REQUEST_HISTOGRAMS = {
     "queue": "layerscope_request_queue_time_seconds",
     "ttft": "layerscope_time_to_first_token_seconds",
@@ -60,6 +59,24 @@ _REQUEST_HISTOGRAMS = {
 }
 
 
+_FIRST_TS = {"arrival": "arrival", "scheduled": "scheduled", "first_token": "first_token", "finished": "finished",
+             "aborted": "finished"}  # the event timestamps the feed reads (an abort finishes the request)
+
+
+def first_timestamps(events) -> dict[str, int]:
+    """The first arrival / scheduled / first_token / finished (or aborted) timestamp of a request's
+    events (``requests._events`` without the preempted intervals, which the feed does not read)."""
+    out: dict[str, int] = {}
+    for ev in reversed(events):  # later events first: the earliest of each kind is written last
+        key = _FIRST_TS.get(ev.type._value_)
+        if key is not None:
+            out[key] = ev.ts_ns
+    return out
+
+
+_BOUNDS: dict[int, np.ndarray] = {}  # id(histogram child's bound list) -> those bounds as an array
+
+
 def observe_array(child, values: np.ndarray) -> None:
     """``metrics.observe_many`` for a numpy array: the same buckets (first bound >= value), counted
     by numpy (the feed's bulk updates of step phases and inter-token gaps)."""
@@ -69,8 +86,10 @@ def observe_array(child, values: np.ndarray) -> None:
     if bounds is None or buckets is None or total is None or len(buckets) != len(bounds):
         observe_many(child, values.tolist())
         return
-    counts = np.bincount(np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left"),
-                         minlength=len(bounds))
+    edges = _BOUNDS.get(id(bounds))
+    if edges is None or len(edges) != len(bounds):
+        edges = _BOUNDS[id(bounds)] = np.asarray(bounds, dtype=np.float64)
+    counts = np.bincount(np.searchsorted(edges, values, side="left"), minlength=len(bounds))
     total.inc(float(values.sum()))
     for i in np.flatnonzero(counts).tolist():
         buckets[i].inc(int(counts[i]))
@@ -98,6 +117,8 @@ class MetricsFeed:
         self.metrics = m = MetricSet(registry, model_name, replica, scope="replica")
         self.every_steps = max(1, every_steps)
         self._flushed = 0  # steps already fed
+        self._tok_ns = np.empty(0, dtype=np.int64)  # each fed step's token time (the end of its sampling)
+        self._tok_base = 0  # the recorded step index of _tok_ns[0] (drop_steps_before moves it)
         self._layers_flushed = 0
         self._pending: deque = deque()  # finished requests (appended by the engine thread)
         self._lock = threading.Lock()
@@ -145,10 +166,19 @@ class MetricsFeed:
             finished = []
             while self._pending:
                 finished.append(self._pending.popleft())
-            if finished:
-                self._requests(finished, recorder)
+            # steps first: the finished requests' inter-token gaps read the steps' token times
             if self._flushed < recorder.num_steps:
                 self._steps(recorder.recorded_since(self._flushed, self._layers_flushed))
+            if finished:
+                self._requests(finished, recorder)
+
+    def drop_steps_before(self, index: int) -> None:
+        """The recorder dropped its steps before recorded index ``index`` (a drain): no request still to
+        be fed took part in them, so their token times go too. Call with the lock held, after a flush."""
+        cut = index - self._tok_base
+        if cut > 0:
+            self._tok_ns = self._tok_ns[cut:]
+            self._tok_base = index
 
     # ---- feeding ----
     def _steps(self, new: Recorded) -> None:
@@ -159,8 +189,10 @@ class MetricsFeed:
         for j, child in enumerate(self._phase):
             observe_array(child, cols[:, j] * 1e-9)
         k = len(_PHASE_NS)
+        # a token's time: the end of its step's sampling phase (the step's end minus its output phase)
+        self._tok_ns = np.concatenate((self._tok_ns, cols[:, -1] - cols[:, _OUTPUT]))
         observe_array(self._batch, (cols[:, k] + cols[:, k + 1]).astype(np.float64))
-        queries, hits, preempt = (int(v) for v in cols[:, k + 2:].sum(axis=0))
+        queries, hits, preempt = (int(v) for v in cols[:, k + 2:k + 5].sum(axis=0))
         if queries:
             self._queries.inc(queries)
             self._hits.inc(hits)
@@ -194,7 +226,7 @@ class MetricsFeed:
         itl_len: list[int] = []  # and how many of itl_idx are its
         for st in finished:
             info = st.info
-            ev = _events(st.events)
+            ev = first_timestamps(st.events)
             arrival, sched, first, fin = ev.get("arrival"), ev.get("scheduled"), ev.get("first_token"), ev.get("finished")
             outer = recorder.gateway_fields(st.rid)
             # server-side latencies run from the gateway arrival when the gateway told us about it
@@ -226,18 +258,16 @@ class MetricsFeed:
             if values:
                 observe_many(self._req[key], values)
         if itl_idx:
-            self._itl(itl_idx, itl_first, itl_len, recorder)
+            self._itl(itl_idx, itl_first, itl_len)
         for reason, n in success.items():
             self.metrics.child("layerscope_request_success_total", reason).inc(n)
         if prompt_tokens:
             self._prompt.inc(prompt_tokens)
 
-    def _itl(self, idx: list[int], first_ns: list[int], lengths: list[int], recorder: RecordSource) -> None:
+    def _itl(self, idx: list[int], first_ns: list[int], lengths: list[int]) -> None:
         """Inter-token gaps of requests, from the steps that sampled their tokens: a token's time is the
         end of its step's sampling phase, the first token's its FIRST_TOKEN event; a gap below 0 counts 0."""
-        steps = np.asarray(idx, dtype=np.int64)
-        uniq, where = np.unique(steps, return_inverse=True)
-        t = np.asarray(recorder.token_times_ns(uniq.tolist()), dtype=np.int64)[where]
+        t = self._tok_ns[np.asarray(idx, dtype=np.int64) - self._tok_base]
         prev = np.empty_like(t)
         prev[1:] = t[:-1]
         lens = np.asarray(lengths, dtype=np.int64)

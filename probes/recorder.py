@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,6 +48,14 @@ from layerscope.probes.tables import collectives_table, layers_table, rows_table
 from layerscope.probes.tracing import RequestTracer
 
 LEVELS = ("off", "default", "full")
+_STEP_TUPLE = attrgetter(*StepRecord.__dataclass_fields__)  # how a drain ships a step (drain.drain_steps)
+
+
+def _event_tuple(ev) -> tuple[str, int, dict[str, Any] | None]:
+    """How a drain ships a request event: (type's value, ts_ns, attrs or None) (drain.drain_requests)."""
+    return ev.type._value_, ev.ts_ns, ev.attrs or None
+
+
 class _Req:
     """What the recorder keeps about one request (appended to on the hot path)."""
 
@@ -341,7 +350,11 @@ class ProbeRecorder(Recorder):
         off this engine's step loop), every step from the first one they took part in (``steps``;
         those from step id ``write_from_step_id`` on were not handed out before, the earlier ones
         are context for the breakdown), layer times, collectives, kernels and spans recorded since.
-        Steps a live request still references stay.
+        Steps a live request still references stay. Steps and events go as plain tuples and step
+        indices as recorded (``index_base`` is the first shipped step's): pickling a dataclass per
+        step or event (its ``__reduce__``, a Python call each) and shifting every index here cost
+        this step loop about 5 us a step on the tiny model; ``drain.drain_steps`` /
+        ``drain.drain_requests`` turn them back in the writer's process.
         """
         if not self.enabled:
             return None
@@ -358,8 +371,8 @@ class ProbeRecorder(Recorder):
             if st.row is not None:  # built already (OTLP wants spans at once)
                 rows.append(fill(dict(st.row), outer or {}))
             else:
-                raw.append((st.rid, st.info, st.events, [i - lo for i in st.step_idx],
-                            [i - lo for i in st.sampled_idx], outer, tp))
+                raw.append((st.rid, st.info, list(map(_event_tuple, st.events)), st.step_idx, st.sampled_idx,
+                            outer, tp))
         # gateway fields of requests this replica never ran (refused by the engine): one drain's grace
         unknown = {rid for rid in self._outer if rid not in self._live}
         for rid in unknown & self._stale:
@@ -382,7 +395,8 @@ class ProbeRecorder(Recorder):
             "write_from_step_id": write_from,
             "requests_raw": raw,
             "request_rows": rows,
-            "steps": context,
+            "index_base": lo,
+            "steps": list(map(_STEP_TUPLE, context)),
             "coll_ns": {s.step_id: coll[s.step_id] for s in context if s.step_id in coll} if coll else {},
             "layer_times": self._layer_times,
             "collectives": self._collectives,
@@ -395,6 +409,8 @@ class ProbeRecorder(Recorder):
         with lock:
             del self._steps[:keep - base]
             del self._sampled[:keep - base]
+            if self._feed is not None:
+                self._feed.drop_steps_before(keep)
             self._step_base = keep
             self._layer_base += len(self._layer_times)
             self._layer_times = []
@@ -438,12 +454,6 @@ class ProbeRecorder(Recorder):
     def step(self, index: int) -> StepRecord:
         """The ``index``-th recorded step (0-based, in recording order)."""
         return self._steps[index - self._step_base]
-
-    def token_times_ns(self, indices: list[int]) -> list[int]:
-        """The time of the tokens sampled in the steps at ``indices`` (as ``step``): the end of each
-        step's sampling phase (monotonic ns)."""
-        steps, base = self._steps, self._step_base
-        return [s.end_ns - s.output_ns for s in map(steps.__getitem__, [i - base for i in indices])]
 
     def gateway_fields(self, request_id: str) -> dict[str, Any] | None:
         """The gateway's fields of ``request_id`` (``set_request_timestamps``), or None."""

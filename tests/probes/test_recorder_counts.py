@@ -13,7 +13,7 @@ import pytest
 
 from layerscope.engine.config import EngineConfig
 from layerscope.engine.llm_engine import LLMEngine
-from layerscope.probes.drain import drain_tables
+from layerscope.probes.drain import drain_requests, drain_steps, drain_tables
 from layerscope.probes.recorder import ProbeRecorder
 from layerscope.probes.tracing import RequestTracer
 
@@ -111,8 +111,9 @@ def test_drained_records_count_what_the_engine_did(tiny_model):
             assert steps.setdefault(row["step_id"], row) == row
         requests.append(t["requests"])
         # a drained request's step indices point at steps it took part in, sampled ones among them
-        for rid, info, _events, step_idx, sampled_idx, _outer, _tp in d["requests_raw"]:
-            assert all(rid in d["steps"][i].request_ids for i in step_idx)
+        shipped = drain_steps(d)
+        for rid, info, _events, step_idx, sampled_idx, _outer, _tp in drain_requests(d):
+            assert all(rid in shipped[i].request_ids for i in step_idx)
             assert set(sampled_idx) <= set(step_idx) and len(sampled_idx) == info["num_output_tokens"]
     table = pa.Table.from_pylist([steps[k] for k in sorted(steps)], schema=t["steps"].schema)
     _check(engine, table, pa.concat_tables(requests), done, rec.metrics_text())
