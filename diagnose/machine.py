@@ -284,8 +284,8 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     software = [f for f in findings if f["layer"] != "hardware"]
     top = max(software, key=lambda f: f["_score"]) if software else None
     keyed = cdiff[cdiff["kind"].isin(["config", "resolved"])] if len(cdiff) else cdiff
-    config_move = top is not None and any(can_move(r.layer, {top["layer"]}) for r in keyed.itertuples()
-                                          if isinstance(r.layer, str))
+    config_layers = [r.layer for r in keyed.itertuples() if isinstance(r.layer, str)]
+    config_move = top is not None and any(can_move(k, {top["layer"]}) for k in config_layers)
     routed = _routing_moved(causes, worse) if any(f["layer"] == "gateway.route" for f in software) else None
     if standout is not None or config_move or routed:
         why = (f"{standout['phase']} per {'step' if standout['phase'].startswith(('engine', 'model', 'parallel')) else 'request'}"
@@ -294,8 +294,11 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
                routed if routed else f"a config change can move {top['layer']}")
         out: list[dict] = []
         for f in findings:
+            # a layer that a changed config key can move is that change's, never the machine's share
+            # (max_num_seqs 8 -> 1 queues requests in the engine whatever the machine did)
+            own_config = any(can_move(k, {f["layer"]}) for k in config_layers)
             if standout is not None and f["layer"] in _MACHINE_LAYERS and f["layer"] not in _within(standout["phase"]) and (
-                    f["metric"] in explained):  # the machine's share of the change, not the software's
+                    f["metric"] in explained) and not own_config:  # the machine's share of the change, not the software's
                 hw = next((h for h in out if h["metric"] == f["metric"] and h["layer"] == "hardware"), None)
                 if hw is None:
                     hw = {**f, "layer": "hardware", "share": 0.0, "delta_s": 0.0, "_score": 0.0,
@@ -308,9 +311,12 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
                 hw["_measured"] = sorted(set(hw["_measured"]) | set(f["_measured"]))
                 hw["evidence"] += [e for e in f["evidence"] if e.startswith("measured in")]
                 continue
-            f["evidence"] += [note, f"a software change stands out beyond the machine's difference: {why}"]
-            if standout is not None and f["layer"] in _within(standout["phase"]) and f["share"] > 0:
-                # (only a finding that explains the change: an offsetting one is never the one to name)
+            own_why = (f"a config change can move {f['layer']}" if own_config and (
+                standout is None or f["layer"] not in _within(standout["phase"])) else why)
+            f["evidence"] += [note, f"a software change stands out beyond the machine's difference: {own_why}"]
+            if standout is not None and (f["layer"] in _within(standout["phase"]) or own_config) and f["share"] > 0:
+                # (only a finding that explains the change: an offsetting one is never the one to name;
+                # between the standout phase and a config change's layer, the larger share is named)
                 f["_score"] += 1e9  # the software change is the finding to name, whatever the machine's share
             out.append(f)
         return verdict, out

@@ -5,6 +5,7 @@ change stands out beyond the machine's own variation."""
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +191,22 @@ def test_a_front_end_that_waited_for_a_cpu_leaves_the_machine_possible(synth):
     # bundles without the front end's wait (older ones) keep the step rule
     d = compare(synth(seed=1, noise_seed=1, outside_cpu_cores=0.3), synth(**slow_front)).diagnosis
     assert d["verdict"] == "regression" and d["primary"]["layer"] == "gateway.queue", d["findings"][:2]
+
+
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "recorded_config_under_varying_machine"
+
+
+def test_a_config_change_keeps_its_layer_when_another_phase_stands_out_on_a_varying_machine():
+    """Recorded by the fault matrix (2026-12-02): max_num_seqs 1 on a 64-request burst while the
+    machine's speed varied x1.48 (yardstick), the baseline on the slower machine. The gateway's
+    hand-off stood out (x12, the replica backed up) and every other machine-movable layer used to be
+    booked as the machine's share, the engine's queue (+0.79 s of TTFT p50) with it, so the
+    diagnosis named gateway.route. A layer a changed config key can move is that change's."""
+    d = compare(RECORDED / "baseline", RECORDED / "candidate").diagnosis
+    assert d["machine"]["changed"] or d["machine"].get("machine_range", 1) >= 1.25
+    assert d["verdict"] == "regression" and d["primary"]["layer"] == "engine.queue", d["findings"][:2]
+    top = d["findings"][0]
+    assert "max_num_seqs" in top["cause"], top["cause"]
+    assert any(e.endswith("a config change can move engine.queue") for e in top["evidence"]), top["evidence"]
+    ttft = [f for f in d["findings"] if f["metric"] == "ttft_p50_s"]
+    assert not [f for f in ttft if f["layer"] == "hardware"], ttft
