@@ -50,10 +50,11 @@ class StepRecord:
         # pickled as the tuple of its fields: a rolling bundle's drain ships ~256 of these per part
         # from the engine's step loop to the writer process; pickling each one's __dict__ (names
         # and values) cost 1.5x this
-        return StepRecord, _STEP_FIELDS(self)
+        return StepRecord, STEP_FIELDS(self)
 
 
-_STEP_FIELDS = operator.attrgetter(*StepRecord.__dataclass_fields__)
+# a StepRecord as the tuple of its fields, StepRecord(*fields) back (pickling, a rolling drain)
+STEP_FIELDS = operator.attrgetter(*StepRecord.__dataclass_fields__)
 
 
 @dataclass

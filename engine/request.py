@@ -47,10 +47,16 @@ class RequestEvent:
     def __reduce__(self):
         # pickled as (type's value, ts, attrs or None): a rolling bundle's drain ships every finished
         # request's events to the writer process, and a dataclass's __dict__ per event cost twice this
-        return _event, (self.type._value_, self.ts_ns, self.attrs or None)
+        return event_from_fields, event_fields(self)
 
 
-def _event(value: str, ts_ns: int, attrs: dict[str, Any] | None) -> RequestEvent:
+def event_fields(ev: RequestEvent) -> tuple[str, int, dict[str, Any] | None]:
+    """A request event as plain data: (type's value, ts_ns, attrs or None) (pickling, a rolling drain)."""
+    return ev.type._value_, ev.ts_ns, ev.attrs or None
+
+
+def event_from_fields(value: str, ts_ns: int, attrs: dict[str, Any] | None) -> RequestEvent:
+    """The event ``event_fields`` gave."""
     return RequestEvent(RequestEventType(value), ts_ns, attrs if attrs is not None else {})
 
 

@@ -15,6 +15,7 @@ from layerscope.probes.tables import collectives_table, layers_table, rows_table
 from layerscope.probes.tracing import RequestTracer
 
 DRAIN_FORMAT = "layerscope.recorder-drain/2"  # a replica's raw drain (ProbeRecorder.drain); /2: tuples
+PART_FORMAT = "layerscope.bundle-part"  # tables as Arrow IPC bytes (an export; the gateway's drain)
 
 if TYPE_CHECKING:
     from layerscope.engine.recorder import StepRecord
@@ -30,13 +31,12 @@ def drain_steps(d: dict[str, Any]) -> "list[StepRecord]":
 def drain_requests(d: dict[str, Any]):
     """A drain's finished requests: (rid, info, events, step_idx, sampled_idx, outer, traceparent),
     events as ``RequestEvent``s and step indices into ``d["steps"]``."""
-    from layerscope.engine.request import RequestEvent, RequestEventType
+    from layerscope.engine.request import event_from_fields
 
     base = d["index_base"]
     for rid, info, events, step_idx, sampled_idx, outer, tp in d["requests_raw"]:
-        evs = [RequestEvent(RequestEventType(v), ts, attrs if attrs is not None else {}) for v, ts, attrs in events]
+        evs = [event_from_fields(*e) for e in events]
         yield rid, info, evs, [i - base for i in step_idx], [i - base for i in sampled_idx], outer, tp
-PART_FORMAT = "layerscope.bundle-part"  # tables as Arrow IPC bytes (an export; the gateway's drain)
 
 
 def build_request(rid: str, replica_col: int, info: dict[str, Any], events, steps, step_idx, sampled_idx,

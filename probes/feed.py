@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from layerscope.contract import FINISH_REASON, tpot_s
 from layerscope.probes.metrics import STEP_PHASES, MetricSet, observe_many
+from layerscope.probes.requests import first_timestamps
 
 if TYPE_CHECKING:
     from layerscope.engine.recorder import CollectiveRecord, StepRecord
@@ -59,24 +60,6 @@ _REQUEST_HISTOGRAMS = {
 }
 
 
-_FIRST_TS = {"arrival": "arrival", "scheduled": "scheduled", "first_token": "first_token", "finished": "finished",
-             "aborted": "finished"}  # the event timestamps the feed reads (an abort finishes the request)
-
-
-def first_timestamps(events) -> dict[str, int]:
-    """The first arrival / scheduled / first_token / finished (or aborted) timestamp of a request's
-    events (``requests._events`` without the preempted intervals, which the feed does not read)."""
-    out: dict[str, int] = {}
-    for ev in reversed(events):  # later events first: the earliest of each kind is written last
-        key = _FIRST_TS.get(ev.type._value_)
-        if key is not None:
-            out[key] = ev.ts_ns
-    return out
-
-
-_BOUNDS: dict[int, np.ndarray] = {}  # id(histogram child's bound list) -> those bounds as an array
-
-
 def observe_array(child, values: np.ndarray) -> None:
     """``metrics.observe_many`` for a numpy array: the same buckets (first bound >= value), counted
     by numpy (the feed's bulk updates of step phases and inter-token gaps)."""
@@ -86,10 +69,8 @@ def observe_array(child, values: np.ndarray) -> None:
     if bounds is None or buckets is None or total is None or len(buckets) != len(bounds):
         observe_many(child, values.tolist())
         return
-    edges = _BOUNDS.get(id(bounds))
-    if edges is None or len(edges) != len(bounds):
-        edges = _BOUNDS[id(bounds)] = np.asarray(bounds, dtype=np.float64)
-    counts = np.bincount(np.searchsorted(edges, values, side="left"), minlength=len(bounds))
+    counts = np.bincount(np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left"),
+                         minlength=len(bounds))
     total.inc(float(values.sum()))
     for i in np.flatnonzero(counts).tolist():
         buckets[i].inc(int(counts[i]))
@@ -117,7 +98,9 @@ class MetricsFeed:
         self.metrics = m = MetricSet(registry, model_name, replica, scope="replica")
         self.every_steps = max(1, every_steps)
         self._flushed = 0  # steps already fed
-        self._tok_ns = np.empty(0, dtype=np.int64)  # each fed step's token time (the end of its sampling)
+        # each fed step's token time (the end of its sampling): _tok_ns[:_tok_len], grown by doubling
+        self._tok_ns = np.empty(1024, dtype=np.int64)
+        self._tok_len = 0
         self._tok_base = 0  # the recorded step index of _tok_ns[0] (drop_steps_before moves it)
         self._layers_flushed = 0
         self._pending: deque = deque()  # finished requests (appended by the engine thread)
@@ -175,10 +158,20 @@ class MetricsFeed:
     def drop_steps_before(self, index: int) -> None:
         """The recorder dropped its steps before recorded index ``index`` (a drain): no request still to
         be fed took part in them, so their token times go too. Call with the lock held, after a flush."""
-        cut = index - self._tok_base
+        cut = min(index - self._tok_base, self._tok_len)
         if cut > 0:
-            self._tok_ns = self._tok_ns[cut:]
-            self._tok_base = index
+            self._tok_ns = self._tok_ns[cut:]  # a view: the next growth copies only what is kept
+            self._tok_len -= cut
+            self._tok_base += cut
+
+    def _add_token_times(self, t: np.ndarray) -> None:
+        n = self._tok_len + len(t)
+        if n > len(self._tok_ns):
+            buf = np.empty(max(n, 2 * len(self._tok_ns)), dtype=np.int64)
+            buf[:self._tok_len] = self._tok_ns[:self._tok_len]
+            self._tok_ns = buf
+        self._tok_ns[self._tok_len:n] = t
+        self._tok_len = n
 
     # ---- feeding ----
     def _steps(self, new: Recorded) -> None:
@@ -190,7 +183,7 @@ class MetricsFeed:
             observe_array(child, cols[:, j] * 1e-9)
         k = len(_PHASE_NS)
         # a token's time: the end of its step's sampling phase (the step's end minus its output phase)
-        self._tok_ns = np.concatenate((self._tok_ns, cols[:, -1] - cols[:, _OUTPUT]))
+        self._add_token_times(cols[:, -1] - cols[:, _OUTPUT])  # end_ns is the last column
         observe_array(self._batch, (cols[:, k] + cols[:, k + 1]).astype(np.float64))
         queries, hits, preempt = (int(v) for v in cols[:, k + 2:k + 5].sum(axis=0))
         if queries:

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from operator import attrgetter
 from pathlib import Path
 from typing import Any, Mapping
 
 import pyarrow as pa
 
-from layerscope.engine.recorder import CollectiveRecord, Recorder, StepRecord
+from layerscope.engine.recorder import STEP_FIELDS, CollectiveRecord, Recorder, StepRecord
+from layerscope.engine.request import event_fields
 from layerscope.probes import schema
 from layerscope.probes.drain import DRAIN_FORMAT, build_request, fill
 from layerscope.probes.feed import MetricsFeed, Recorded
@@ -48,12 +48,6 @@ from layerscope.probes.tables import collectives_table, layers_table, rows_table
 from layerscope.probes.tracing import RequestTracer
 
 LEVELS = ("off", "default", "full")
-_STEP_TUPLE = attrgetter(*StepRecord.__dataclass_fields__)  # how a drain ships a step (drain.drain_steps)
-
-
-def _event_tuple(ev) -> tuple[str, int, dict[str, Any] | None]:
-    """How a drain ships a request event: (type's value, ts_ns, attrs or None) (drain.drain_requests)."""
-    return ev.type._value_, ev.ts_ns, ev.attrs or None
 
 
 class _Req:
@@ -371,7 +365,7 @@ class ProbeRecorder(Recorder):
             if st.row is not None:  # built already (OTLP wants spans at once)
                 rows.append(fill(dict(st.row), outer or {}))
             else:
-                raw.append((st.rid, st.info, list(map(_event_tuple, st.events)), st.step_idx, st.sampled_idx,
+                raw.append((st.rid, st.info, list(map(event_fields, st.events)), st.step_idx, st.sampled_idx,
                             outer, tp))
         # gateway fields of requests this replica never ran (refused by the engine): one drain's grace
         unknown = {rid for rid in self._outer if rid not in self._live}
@@ -396,7 +390,7 @@ class ProbeRecorder(Recorder):
             "requests_raw": raw,
             "request_rows": rows,
             "index_base": lo,
-            "steps": list(map(_STEP_TUPLE, context)),
+            "steps": list(map(STEP_FIELDS, context)),
             "coll_ns": {s.step_id: coll[s.step_id] for s in context if s.step_id in coll} if coll else {},
             "layer_times": self._layer_times,
             "collectives": self._collectives,

@@ -49,25 +49,32 @@ class Phase:
     attributes: dict[str, Any] = field(default_factory=dict)
 
 
+_FIRST_TS = {"arrival": "arrival", "scheduled": "scheduled", "first_token": "first_token", "finished": "finished",
+             "aborted": "finished"}  # an abort finishes the request
+
+
+def first_timestamps(events: "Sequence[RequestEvent]") -> dict[str, int]:
+    """The first arrival / scheduled / first_token / finished (or aborted) timestamp of a request's
+    events (what the metrics feed reads of them)."""
+    out: dict[str, int] = {}
+    for ev in reversed(events):  # later events first: the earliest of each kind is written last
+        key = _FIRST_TS.get(ev.type._value_)  # RequestEventType's value (``.value`` is a slow descriptor)
+        if key is not None:
+            out[key] = ev.ts_ns
+    return out
+
+
 def _events(events: "Sequence[RequestEvent]") -> dict[str, Any]:
-    """First arrival/scheduled/first_token/finished timestamps and the preempted intervals."""
-    out: dict[str, Any] = {"preempted": []}
+    """``first_timestamps`` and the preempted intervals."""
+    out: dict[str, Any] = {**first_timestamps(events), "preempted": []}
     start = None
     for ev in events:
-        t = ev.type._value_  # RequestEventType's value (``.value`` is a slow descriptor)
-        if t == "arrival":
-            out.setdefault("arrival", ev.ts_ns)
-        elif t == "scheduled":
-            out.setdefault("scheduled", ev.ts_ns)
-        elif t == "first_token":
-            out.setdefault("first_token", ev.ts_ns)
-        elif t == "preempted":
+        t = ev.type._value_
+        if t == "preempted":
             start = ev.ts_ns
         elif t == "resumed" and start is not None:
             out["preempted"].append((start, ev.ts_ns))
             start = None
-        elif t in ("finished", "aborted"):
-            out.setdefault("finished", ev.ts_ns)
     if start is not None:  # finished (aborted) while preempted
         out["preempted"].append((start, out.get("finished", start)))
     return out

@@ -59,10 +59,10 @@ CASES: tuple[Case, ...] = (
     # the norms do not): on the chat workload's short prompts the five kernel ops are all 50-120 us,
     # a fixed time per call and a common factor predict the same deltas, and diagnose rightly says
     # it cannot tell (2026-12-02: "5 ops each gained about 0.151 ms per call, about 3.13x", spreads
-    # 0.35 vs 0.20, sizes 0.28: tell?). On 400-900-token prompts, 2 of 3 runs: "5 ops each got
-    # about 4.22x slower (spread 0.09 vs 0.39 for a fixed extra time)", kernel.compute; the third a
-    # can't-tell (ratios 3.8-5.8: the profiled steps, all decodes, batch differently in a run whose
-    # steps are 4x slower, and the op medians are not taken at equal batch size).
+    # 0.35 vs 0.20, sizes 0.28: tell?). On 400-900-token prompts, 2 of 4 runs: "5 ops each got
+    # about 4.22x slower (spread 0.09 vs 0.39 for a fixed extra time)", kernel.compute; the others
+    # can't-tells (ratios 3.8-6.3: an op's median over the 16 calls of the profiler's 8 steps, all
+    # decodes at batch 1, varies 2-5x at these 50-300 us sizes).
     Case("kernel.slowdown", "kernel.compute", {"faults": {"kernel.slowdown": 4}}, {"profile": "kernels"},
          workload={"input_len": 400, "max_input_len": 900, "rate": 1.5}),
     Case("kernel.launch_gap_us", "kernel.launch_gap", {"faults": {"kernel.launch_gap_us": 400}},
