@@ -16,8 +16,13 @@ run of off (the least disturbed ones, when other jobs share the machine). Timed:
 ``generate`` only; full's py-spy start/stop and every level's table building (``tables()``
 / the rolling parts: build_s) are outside it. Greedy sampling with ignore_eos: every run
 computes exactly the same tokens (checked). Last, one rolling run with every recorder hook
-timed in thread CPU time: the hooks' share of the step loop's CPU, free of run-to-run noise
-(not of the engine's own StepRecord building).
+timed: the hooks' share of the step loop's time, free of run-to-run noise (not of the engine's own
+StepRecord building). Hooks and generate are timed on the wall clock (``perf_counter``: the OS
+descheduling the loop lands in a hook as often as the hook's share of the time, so the ratio keeps
+true); the timing's own cost per call is measured where the hooks run, by a timed no-op called
+once per step beside ``on_step``, and subtracted (in place it is ~5x what a loop of no-ops costs:
+2.2 against 0.4 us here; a thread-CPU clock cost 6.7 us a call in place, a syscall each read, which
+is why it is not used).
 """
 
 from __future__ import annotations
@@ -111,9 +116,12 @@ _HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", 
           "on_request_finished", "drain")
 
 
-def _hook_time(llm, prompts, params, interval: int, drain_every: int) -> tuple[dict[str, float], float, int]:
+def _hook_time(llm, prompts, params, interval: int,
+               drain_every: int) -> tuple[dict[str, float], float, int, float, float, float]:
     """One rolling run (default probes, drained and pickled every ``drain_every`` steps) with every
-    recorder hook timed: (CPU seconds per hook, generate CPU seconds, steps).
+    recorder hook timed: (CPU seconds per hook, generate CPU seconds, steps, the timing's own cost per
+    call in the step loop and in a loop of no-ops (us), the hooks' total with the latter subtracted (s)),
+    the timing's cost in the step loop subtracted.
 
     A direct measure of what the step loop pays the recorder, free of run-to-run noise
     (it leaves out the engine-side cost of building StepRecords and the sampled layer timings)."""
@@ -126,21 +134,24 @@ def _hook_time(llm, prompts, params, interval: int, drain_every: int) -> tuple[d
 
     def wrap(fn, name):
         def timed(*a, **kw):
-            t = time.thread_time_ns()  # CPU time: the OS descheduling us mid-hook is not the hook's cost
+            t = time.perf_counter_ns()
             try:
                 return fn(*a, **kw)
             finally:
-                spent[name] += time.thread_time_ns() - t
+                spent[name] += time.perf_counter_ns() - t
                 calls[name] += 1
 
         return timed
 
-    # what the timing itself costs per call (two clock reads), subtracted below
-    probe = wrap(lambda: None, "on_collectives")
+    # what the timing itself costs per call (two clock reads and the wrapper), subtracted below: a timed
+    # no-op called once per step in the step loop, where the hooks run (a loop of them on warm caches
+    # measured a fraction of that: the hooks' own figures kept it, up to 3 us a call on a trivial hook)
+    spent["timer"] = calls["timer"] = 0
+    noop = wrap(lambda: None, "timer")
     for _ in range(2000):
-        probe()
-    per_call = spent["on_collectives"] / calls["on_collectives"]
-    spent["on_collectives"] = calls["on_collectives"] = 0
+        noop()
+    warm_per_call = spent["timer"] / calls["timer"]
+    spent["timer"] = calls["timer"] = 0
     for name in _HOOKS:
         if name != "drain":
             setattr(rec, name, wrap(getattr(rec, name), name))
@@ -148,6 +159,7 @@ def _hook_time(llm, prompts, params, interval: int, drain_every: int) -> tuple[d
     timed_drain = wrap(lambda: pickle.dumps(rec.drain(), protocol=pickle.HIGHEST_PROTOCOL), "drain")
 
     def on_step_draining(step, layer_times):
+        noop()
         timed_step(step, layer_times)
         if step.step_id % drain_every == 0:
             timed_drain()
@@ -158,14 +170,21 @@ def _hook_time(llm, prompts, params, interval: int, drain_every: int) -> tuple[d
     rec.configure(llm.config, engine.resolved)
     rec.start()
     s0 = engine.scheduler.step_id
-    t0 = time.thread_time()
+    t0 = time.perf_counter()
     llm.generate(prompts, params)
-    gen_s = time.thread_time() - t0
+    gen_s = time.perf_counter() - t0
     rec.stop()
     rec.shutdown()
     engine.recorder = Recorder()
-    return ({k: max(v - calls[k] * per_call, 0) / 1e9 for k, v in spent.items()}, gen_s - sum(calls.values()) * per_call / 1e9,
-            engine.scheduler.step_id - s0)
+    steps = engine.scheduler.step_id - s0
+    per_call = spent.pop("timer") / max(calls.pop("timer"), 1)
+    timed_calls = sum(calls.values())
+    # the hooks' total with only the warm loop's cost per call subtracted: an upper bound (a hook called
+    # outside the step loop, e.g. on_request_events as requests are added, may cost the timing less
+    # than the no-op in place did)
+    upper = (sum(spent.values()) - timed_calls * warm_per_call) / 1e9
+    return ({k: max(v - calls[k] * per_call, 0) / 1e9 for k, v in spent.items()},
+            gen_s - (timed_calls + steps) * per_call / 1e9, steps, per_call / 1e3, warm_per_call / 1e3, upper)
 
 
 def bench_model(model: str, label: str, args, num_requests: int, levels: list[str], tmp: Path) -> None:
@@ -222,12 +241,15 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
                          + f" {best * 100:5.1f}%")
         print(f"{level:<8} {statistics.median(wall[level]):12.1f} {cells[0]} {statistics.median(cpu[level]):17.1f} "
               f"{cells[1]} {statistics.median(build[level]):8.3f}", flush=True)
-    hooks, gen_s, steps = _hook_time(llm, prompts, params, interval, every)
+    hooks, gen_s, steps, per_call, warm, upper = _hook_time(llm, prompts, params, interval, every)
     total = sum(hooks.values())
-    print(f"rolling, hooks timed (thread CPU time): {total * 1e6 / steps:.1f} us per step in recorder hooks "
-          f"(drain + pickle included) = {total / gen_s * 100:.2f}% of generate CPU time "
+    print(f"rolling, hooks timed (wall clock): {total * 1e6 / steps:.1f} us per step in recorder hooks "
+          f"(drain + pickle included) = {total / gen_s * 100:.2f}% of generate time "
           f"({gen_s * 1e3 / steps:.2f} ms per step); per step: "
-          + ", ".join(f"{k} {v * 1e6 / steps:.1f} us" for k, v in hooks.items()), flush=True)
+          + ", ".join(f"{k} {v * 1e6 / steps:.1f} us" for k, v in hooks.items())
+          + f"; the timing's own cost subtracted: {per_call:.2f} us a call, measured in the step loop "
+          f"(with a loop of no-ops' {warm:.2f} us a call subtracted instead: {upper / gen_s * 100:.2f}%, an upper "
+          "bound)", flush=True)
     llm.shutdown()
 
 
