@@ -28,6 +28,7 @@ is why it is not used).
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import pickle
 import random
@@ -87,6 +88,7 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
         rec.configure(llm.config, engine.resolved)
         rec.start()
     s0 = engine.scheduler.step_id
+    gc.collect()  # every run starts from a collected heap (see the note above _HOOKS)
     t0, c0 = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params)
     gen_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
@@ -112,15 +114,22 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
     return gen_s, cpu_s, build_s, steps, [o.token_ids for o in outputs]
 
 
+# Python's full (generation 2) collection scans every object of the process (the model's modules and
+# tensors' wrappers included): ~0.3 s on the tiny preset here, i.e. ~10% of a 960-step run, landing in
+# whichever run (and hook) allocates when the young generations' counters say so. Each timed run starts
+# from gc.collect(), so a full collection is not a matter of the runs' order: measured, a new version's
+# hook run met one in 3 of 3 benches and the old one's in 0 of 3, by chance.
+
 _HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", "on_collectives",
           "on_request_finished", "drain")
 
 
 def _hook_time(llm, prompts, params, interval: int,
-               drain_every: int) -> tuple[dict[str, float], float, int, float, float, float]:
+               drain_every: int) -> tuple[dict[str, float], float, int, float, float, float, float]:
     """One rolling run (default probes, drained and pickled every ``drain_every`` steps) with every
     recorder hook timed: (CPU seconds per hook, generate CPU seconds, steps, the timing's own cost per
-    call in the step loop and in a loop of no-ops (us), the hooks' total with the latter subtracted (s)),
+    call in the step loop and in a loop of no-ops (us), the hooks' total with the latter subtracted (s),
+    the engine's StepRecord building (s)),
     the timing's cost in the step loop subtracted.
 
     A direct measure of what the step loop pays the recorder, free of run-to-run noise
@@ -158,7 +167,12 @@ def _hook_time(llm, prompts, params, interval: int,
     timed_step = rec.on_step
     timed_drain = wrap(lambda: pickle.dumps(rec.drain(), protocol=pickle.HIGHEST_PROTOCOL), "drain")
 
+    built = [0]
+
     def on_step_draining(step, layer_times):
+        # the engine's probe-only work between its step's end (end_ns, on the same monotonic clock) and
+        # this call: the per-request columns and the StepRecord itself
+        built[0] += time.monotonic_ns() - step.end_ns
         noop()
         timed_step(step, layer_times)
         if step.step_id % drain_every == 0:
@@ -170,6 +184,7 @@ def _hook_time(llm, prompts, params, interval: int,
     rec.configure(llm.config, engine.resolved)
     rec.start()
     s0 = engine.scheduler.step_id
+    gc.collect()
     t0 = time.perf_counter()
     llm.generate(prompts, params)
     gen_s = time.perf_counter() - t0
@@ -184,7 +199,8 @@ def _hook_time(llm, prompts, params, interval: int,
     # than the no-op in place did)
     upper = (sum(spent.values()) - timed_calls * warm_per_call) / 1e9
     return ({k: max(v - calls[k] * per_call, 0) / 1e9 for k, v in spent.items()},
-            gen_s - (timed_calls + steps) * per_call / 1e9, steps, per_call / 1e3, warm_per_call / 1e3, upper)
+            gen_s - (timed_calls + steps) * per_call / 1e9, steps, per_call / 1e3, warm_per_call / 1e3, upper,
+            built[0] / 1e9)
 
 
 def bench_model(model: str, label: str, args, num_requests: int, levels: list[str], tmp: Path) -> None:
@@ -241,7 +257,7 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
                          + f" {best * 100:5.1f}%")
         print(f"{level:<8} {statistics.median(wall[level]):12.1f} {cells[0]} {statistics.median(cpu[level]):17.1f} "
               f"{cells[1]} {statistics.median(build[level]):8.3f}", flush=True)
-    hooks, gen_s, steps, per_call, warm, upper = _hook_time(llm, prompts, params, interval, every)
+    hooks, gen_s, steps, per_call, warm, upper, built = _hook_time(llm, prompts, params, interval, every)
     total = sum(hooks.values())
     print(f"rolling, hooks timed (wall clock): {total * 1e6 / steps:.1f} us per step in recorder hooks "
           f"(drain + pickle included) = {total / gen_s * 100:.2f}% of generate time "
@@ -250,6 +266,9 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
           + f"; the timing's own cost subtracted: {per_call:.2f} us a call, measured in the step loop "
           f"(with a loop of no-ops' {warm:.2f} us a call subtracted instead: {upper / gen_s * 100:.2f}%, an upper "
           "bound)", flush=True)
+    print(f"rolling, the engine's StepRecord building (its step's end to on_step, probes only): "
+          f"{built * 1e6 / steps:.1f} us per step = {built / gen_s * 100:.2f}%; probes on the step loop in all "
+          f"(hooks + StepRecord): {(total + built) / gen_s * 100:.2f}% of generate time", flush=True)
     llm.shutdown()
 
 
