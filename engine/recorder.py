@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from layerscope.engine.request import Request, RequestEvent
 
 
-@dataclass
+@dataclass(slots=True)  # no __dict__: one object less per step (allocation, GC) and faster attribute reads
 class StepRecord:
     """One engine step. Durations in ns, timestamps on the monotonic clock (ns)."""
 
@@ -45,6 +45,7 @@ class StepRecord:
     request_ids: list[str] = field(default_factory=list)  # requests computed in this step
     request_num_tokens: list[int] = field(default_factory=list)  # their tokens this step
     replica: int = 0
+    sampled_ids: list[str] = field(default_factory=list)  # the requests that got a token in this step
 
     def __reduce__(self):
         # pickled as the tuple of its fields: a rolling bundle's drain ships ~256 of these per part
@@ -57,7 +58,7 @@ class StepRecord:
 STEP_FIELDS = operator.attrgetter(*StepRecord.__dataclass_fields__)
 
 
-@dataclass
+@dataclass(slots=True)
 class CollectiveRecord:
     op: str  # all_reduce, all_gather, broadcast
     rank: int

@@ -45,6 +45,9 @@ class RecordSource(Protocol):
 
     def gateway_fields(self, request_id: str) -> dict[str, Any] | None: ...
 
+    def index_requests(self) -> None:
+        """Fill finished requests' ``step_idx`` / ``sampled_idx`` up to the last recorded step."""
+
 _PHASE_NS = tuple(f"{p}_ns" for p in STEP_PHASES)  # StepRecord fields, in STEP_PHASES order
 _OUTPUT = _PHASE_NS.index("output_ns")
 _STEP_COLUMNS = attrgetter(*_PHASE_NS, "num_prefill_tokens", "num_decode_tokens", "num_prefix_queries",
@@ -76,6 +79,28 @@ def observe_array(child, values: np.ndarray) -> None:
         buckets[i].inc(int(counts[i]))
 
 
+def observe_columns(children: list, values: np.ndarray) -> None:
+    """``observe_array`` of column j of ``values`` ([n, k]) into ``children[j]``, for k children of one
+    histogram family (the same bounds): one bucket search and one count for all of them."""
+    bounds = getattr(children[0], "_upper_bounds", None)
+    if bounds is None or any(getattr(c, "_upper_bounds", None) != bounds or len(getattr(c, "_buckets", ())) != len(bounds)
+                             or getattr(c, "_sum", None) is None for c in children):
+        for j, child in enumerate(children):
+            observe_array(child, values[:, j])
+        return
+    nb = len(bounds)
+    idx = np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left")
+    idx += np.arange(len(children)) * nb  # column j's buckets at j * nb
+    counts = np.bincount(idx.ravel(), minlength=nb * len(children))
+    sums = values.sum(axis=0).tolist()
+    for j, child in enumerate(children):
+        if sums[j]:
+            child._sum.inc(sums[j])
+    buckets = [c._buckets for c in children]
+    for i in np.flatnonzero(counts).tolist():
+        buckets[i // nb][i % nb].inc(int(counts[i]))
+
+
 class _FlushOnCollect:
     """Registered first in the recorder's registry: a scrape flushes the pending steps first."""
 
@@ -92,7 +117,7 @@ class _FlushOnCollect:
 
 class MetricsFeed:
     def __init__(self, registry: CollectorRegistry | None, model_name: str, replica: str | int, every_steps: int,
-                 recorder: RecordSource):
+                 recorder: RecordSource, lock: "threading.RLock | None" = None):
         registry = registry if registry is not None else CollectorRegistry()
         registry.register(_FlushOnCollect(self, recorder))
         self.metrics = m = MetricSet(registry, model_name, replica, scope="replica")
@@ -104,7 +129,7 @@ class MetricsFeed:
         self._tok_base = 0  # the recorded step index of _tok_ns[0] (drop_steps_before moves it)
         self._layers_flushed = 0
         self._pending: deque = deque()  # finished requests (appended by the engine thread)
-        self._lock = threading.Lock()
+        self._lock = lock if lock is not None else threading.RLock()  # the recorder's, which cuts its steps
         self._phase = [m.child("layerscope_step_phase_seconds", p) for p in STEP_PHASES]
         self._batch = m.child("layerscope_batch_tokens")
         self._running = m.child("layerscope_num_requests_running")
@@ -153,6 +178,7 @@ class MetricsFeed:
             if self._flushed < recorder.num_steps:
                 self._steps(recorder.recorded_since(self._flushed, self._layers_flushed))
             if finished:
+                recorder.index_requests()
                 self._requests(finished, recorder)
 
     def drop_steps_before(self, index: int) -> None:
@@ -179,9 +205,8 @@ class MetricsFeed:
         self._flushed += len(steps)
         # one [steps, columns] array (attribute reads in C), then one bulk update per histogram
         cols = np.array(list(map(_STEP_COLUMNS, steps)), dtype=np.int64).reshape(len(steps), -1)
-        for j, child in enumerate(self._phase):
-            observe_array(child, cols[:, j] * 1e-9)
         k = len(_PHASE_NS)
+        observe_columns(self._phase, cols[:, :k] * 1e-9)
         # a token's time: the end of its step's sampling phase (the step's end minus its output phase)
         self._add_token_times(cols[:, -1] - cols[:, _OUTPUT])  # end_ns is the last column
         observe_array(self._batch, (cols[:, k] + cols[:, k + 1]).astype(np.float64))
@@ -249,7 +274,7 @@ class MetricsFeed:
                     itl_len.append(len(st.sampled_idx) - 1)
         for key, values in vals.items():
             if values:
-                observe_many(self._req[key], values)
+                observe_array(self._req[key], np.array(values, dtype=np.float64))
         if itl_idx:
             self._itl(itl_idx, itl_first, itl_len)
         for reason, n in success.items():

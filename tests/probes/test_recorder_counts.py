@@ -142,3 +142,32 @@ def test_observe_array_equals_observe():
                 child.observe(v)
         texts.append("\n".join(l for l in generate_latest(reg).decode().splitlines() if "_created" not in l))
     assert texts[0] == texts[1] and 'seconds_bucket{le="0.005",model_name="m",replica="0"} 8.0' in texts[0]
+
+
+def test_observe_columns_equals_observe():
+    """The feed's one-pass update of a family's children (the step phases) puts every value in the bucket
+    ``observe`` picks, each column into its own child."""
+    import numpy as np
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from layerscope.probes.feed import observe_columns
+    from layerscope.probes.metrics import STEP_PHASES, create_metrics
+
+    rng = np.random.default_rng(0)
+    values = rng.lognormal(-7, 2, size=(50, len(STEP_PHASES)))
+    values[3, 1] = 0.001  # on a bound (inclusive)
+    values[:, 2] = 0.0  # a phase that never took time
+    texts = []
+    for bulk in (False, True):
+        reg = CollectorRegistry()
+        m = create_metrics(reg, "m", 0)
+        children = [m.child("layerscope_step_phase_seconds", p) for p in STEP_PHASES]
+        if bulk:
+            observe_columns(children, values)
+        else:
+            for row in values.tolist():
+                for child, v in zip(children, row):
+                    child.observe(v)
+        texts.append("\n".join(l for l in generate_latest(reg).decode().splitlines() if "_created" not in l))
+    assert texts[0] == texts[1]
+    assert all(f'"{p}"' in texts[0] for p in STEP_PHASES)
