@@ -14,7 +14,7 @@ from layerscope.probes.requests import Phase, engine_row, gateway_phases
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
-DRAIN_FORMAT = "layerscope.recorder-drain/2"  # a replica's raw drain (ProbeRecorder.drain); /2: tuples
+DRAIN_FORMAT = "layerscope.recorder-drain/3"  # a replica's raw drain (ProbeRecorder.drain); /2: tuples; /3: steps carry sampled_ids
 PART_FORMAT = "layerscope.bundle-part"  # tables as Arrow IPC bytes (an export; the gateway's drain)
 
 if TYPE_CHECKING:
