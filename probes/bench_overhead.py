@@ -127,13 +127,12 @@ _HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", 
 def _hook_time(llm, prompts, params, interval: int,
                drain_every: int) -> tuple[dict[str, float], float, int, float, float, float, float]:
     """One rolling run (default probes, drained and pickled every ``drain_every`` steps) with every
-    recorder hook timed: (CPU seconds per hook, generate CPU seconds, steps, the timing's own cost per
-    call in the step loop and in a loop of no-ops (us), the hooks' total with the latter subtracted (s),
-    the engine's StepRecord building (s)),
-    the timing's cost in the step loop subtracted.
+    recorder hook timed on the wall clock: (seconds per hook and generate seconds, the timing's cost in
+    the step loop subtracted; steps; the timing's own cost per call in the step loop and in a loop of
+    no-ops (us); the hooks' total with the latter subtracted (s); the engine's StepRecord building (s)).
 
-    A direct measure of what the step loop pays the recorder, free of run-to-run noise
-    (it leaves out the engine-side cost of building StepRecords and the sampled layer timings)."""
+    A direct measure of what the step loop pays the probes, free of run-to-run noise (it leaves out
+    the sampled layer timings and the garbage collector's passes that the records trigger elsewhere)."""
     from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
 

@@ -21,7 +21,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from layerscope.contract import FINISH_REASON, tpot_s
-from layerscope.probes.metrics import STEP_PHASES, MetricSet, observe_many
+from layerscope.probes.metrics import STEP_PHASES, MetricSet, histogram_parts, observe_many
 from layerscope.probes.requests import first_timestamps
 
 if TYPE_CHECKING:
@@ -64,41 +64,30 @@ _REQUEST_HISTOGRAMS = {
 
 
 def observe_array(child, values: np.ndarray) -> None:
-    """``metrics.observe_many`` for a numpy array: the same buckets (first bound >= value), counted
-    by numpy (the feed's bulk updates of step phases and inter-token gaps)."""
-    bounds = getattr(child, "_upper_bounds", None)
-    buckets = getattr(child, "_buckets", None)
-    total = getattr(child, "_sum", None)
-    if bounds is None or buckets is None or total is None or len(buckets) != len(bounds):
-        observe_many(child, values.tolist())
-        return
-    counts = np.bincount(np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left"),
-                         minlength=len(bounds))
-    total.inc(float(values.sum()))
-    for i in np.flatnonzero(counts).tolist():
-        buckets[i].inc(int(counts[i]))
+    """``metrics.observe_many`` for a numpy array (the feed's bulk updates: batch sizes, inter-token gaps,
+    request latencies)."""
+    observe_columns([child], values.reshape(-1, 1))
 
 
 def observe_columns(children: list, values: np.ndarray) -> None:
-    """``observe_array`` of column j of ``values`` ([n, k]) into ``children[j]``, for k children of one
-    histogram family (the same bounds): one bucket search and one count for all of them."""
-    bounds = getattr(children[0], "_upper_bounds", None)
-    if bounds is None or any(getattr(c, "_upper_bounds", None) != bounds or len(getattr(c, "_buckets", ())) != len(bounds)
-                             or getattr(c, "_sum", None) is None for c in children):
+    """``metrics.observe_many`` of column j of ``values`` ([n, k]) into ``children[j]``, for k children
+    of one histogram family (the step phases): the same buckets (first bound >= value), searched and
+    counted by numpy in one pass for all of them."""
+    parts = [histogram_parts(c) for c in children]
+    bounds = parts[0][0] if parts[0] is not None else None
+    if bounds is None or any(p is None or p[0] != bounds for p in parts):
         for j, child in enumerate(children):
-            observe_array(child, values[:, j])
+            observe_many(child, values[:, j].tolist())
         return
     nb = len(bounds)
     idx = np.searchsorted(np.asarray(bounds, dtype=np.float64), values, side="left")
     idx += np.arange(len(children)) * nb  # column j's buckets at j * nb
     counts = np.bincount(idx.ravel(), minlength=nb * len(children))
-    sums = values.sum(axis=0).tolist()
-    for j, child in enumerate(children):
-        if sums[j]:
-            child._sum.inc(sums[j])
-    buckets = [c._buckets for c in children]
+    for (_, _, total), value in zip(parts, values.sum(axis=0).tolist()):
+        if value:
+            total.inc(value)
     for i in np.flatnonzero(counts).tolist():
-        buckets[i // nb][i % nb].inc(int(counts[i]))
+        parts[i // nb][1][i % nb].inc(int(counts[i]))
 
 
 class _FlushOnCollect:

@@ -197,16 +197,26 @@ class MetricSet:
         return self.collectors[name].labels(self.model_name, self.replica, *extra)
 
 
-def observe_many(child, values: list[float]) -> None:
-    """``child.observe(v)`` for every value, with one locked update per bucket touched instead of two
-    per value. Uses prometheus_client's histogram internals; falls back to ``observe`` without them."""
+def histogram_parts(child) -> tuple[list[float], list, Any] | None:
+    """A prometheus_client histogram child's internals that the bulk updates write: (upper bounds,
+    bucket values, sum value), or None where this client version lays them out otherwise."""
     bounds = getattr(child, "_upper_bounds", None)
     buckets = getattr(child, "_buckets", None)
     total = getattr(child, "_sum", None)
     if bounds is None or buckets is None or total is None or len(buckets) != len(bounds):
+        return None
+    return bounds, buckets, total
+
+
+def observe_many(child, values: list[float]) -> None:
+    """``child.observe(v)`` for every value, with one locked update per bucket touched instead of two
+    per value. Uses prometheus_client's histogram internals; falls back to ``observe`` without them."""
+    parts = histogram_parts(child)
+    if parts is None:
         for v in values:
             child.observe(v)
         return
+    bounds, buckets, total = parts
     counts: dict[int, int] = {}
     for v in values:
         i = bisect_left(bounds, v)  # first bound >= v: the bucket observe() picks

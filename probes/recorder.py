@@ -10,7 +10,7 @@ windows (``profiler.py``) and a py-spy capture of the process (``pyspy.py``).
 
 The step loop only appends the StepRecord object itself (which names the requests it computed
 and those that got a token); each request's step indices come from inverting those lists in
-batches (``_index()``: at every metrics flush, drain and table build), and its events come when it
+batches (``index_requests()``: at every metrics flush, drain and table build), and its events come when it
 is added and when it finishes. Rows, spans and Arrow tables are built
 in ``tables()``, off the hot path. Prometheus gets steps and finished requests in
 batches (``feed.py``: every ``metrics_every_steps`` steps, 256 by default, when the
@@ -60,7 +60,7 @@ class _Req:
     def __init__(self, req):
         self.rid: str = req.request_id
         self.events: list = []
-        # the recorded indices of the steps it took part in / got a token in: filled by _index(), in batches
+        # the recorded indices of the steps it took part in / got a token in: filled by index_requests(), in batches
         self.step_idx: list[int] = []
         self.sampled_idx: list[int] = []
         self.done_at = 0  # when finished: the number of steps recorded by then
@@ -112,9 +112,9 @@ class ProbeRecorder(Recorder):
         self._collectives: list[CollectiveRecord] = []
         self._live: dict[str, _Req] = {}
         self._finishing: dict[str, _Req] = {}  # finished, some of their steps not indexed yet
-        # the step loop appends; metrics flushes (also from scrape threads), _index() and drain() read and cut
+        # the step loop appends; metrics flushes (also from scrape threads), index_requests() and drain() read and cut
         self._lock = threading.RLock()
-        self._indexed = 0  # absolute index of the first step _index() has not inverted
+        self._indexed = 0  # absolute index of the first step index_requests() has not inverted
         self._done: list[_Req] = []
         self._outer: dict[str, dict[str, Any]] = {}  # gateway/client fields by request id
         self._traceparents: dict[str, str] = {}
@@ -201,7 +201,7 @@ class ProbeRecorder(Recorder):
     def on_step(self, step: StepRecord, layer_times) -> None:
         if not self.enabled:
             return
-        # nothing per request here: _index() inverts the steps' request lists in batches
+        # nothing per request here: index_requests() inverts the steps' request lists in batches
         idx = self._step_base + len(self._steps)
         self._steps.append(step)
         self._sampled.append(len(step.sampled_ids))
@@ -213,16 +213,13 @@ class ProbeRecorder(Recorder):
             feed.flush(self)  # every every_steps steps, and when the engine goes idle
 
     def index_requests(self) -> None:
-        """``_index()`` (what the metrics feed calls before it reads finished requests' steps)."""
-        self._index()
-
-    def _index(self) -> None:
         """Each request's ``step_idx`` / ``sampled_idx`` from the steps recorded since the last call (the
         steps' ``request_ids`` / ``sampled_ids`` inverted). Runs at every metrics flush, drain and table
-        build: one warm pass over a batch of steps costs a fraction of a per-request loop on every step
-        (measured in place, right after the forward, at ~4x its warm price)."""
+        build (the metrics feed calls it before it reads finished requests' steps): one warm pass over a
+        batch of steps costs a fraction of a per-request loop on every step (measured in place, right after
+        the forward, at ~4x its warm price)."""
         with self._lock:
-            end = self._step_base + len(self._steps)
+            end = self.num_steps
             start = self._indexed
             if start >= end:
                 return
@@ -264,8 +261,8 @@ class ProbeRecorder(Recorder):
         st = self._live.get(request.request_id)
         if st is None:
             return
-        st.done_at = self._step_base + len(self._steps)
-        self._finishing[st.rid] = st  # before it leaves _live: _index() on a scrape thread finds it in one
+        st.done_at = self.num_steps
+        self._finishing[st.rid] = st  # before it leaves _live: index_requests() on a scrape thread finds it in one
         del self._live[st.rid]
         st.info = {
             "status": request.status.value,
@@ -279,7 +276,7 @@ class ProbeRecorder(Recorder):
         if self._feed is not None:
             self._feed.request_finished(st, idle=not self._live, recorder=self)
         if self.tracer.otlp:  # a live collector wants spans now, not at bundle write
-            self._index()
+            self.index_requests()
             self._build(st)
 
     # ---- gateway / client side -------------------------------------------------------------
@@ -321,7 +318,7 @@ class ProbeRecorder(Recorder):
         if not self.enabled:
             return []
         coll = self._coll_ns
-        self._index()
+        self.index_requests()
         rows: dict[str, dict[str, Any]] = {}
         for st in self._done:
             if st.row is None:
@@ -377,7 +374,7 @@ class ProbeRecorder(Recorder):
         if not self.enabled:
             return None
         self.flush_metrics()  # the metrics feed has what it reads of the steps before they go
-        self._index()
+        self.index_requests()
         coll = self._coll_ns
         done, self._done = self._done, []
         end = self.num_steps
