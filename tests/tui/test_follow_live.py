@@ -61,7 +61,8 @@ def test_follow_a_live_server(terminal, tiny_model, tmp_path):  # noqa: F811
             time.sleep(0.1)
 
         t = terminal(f"{_layerscope()} tui {shlex.quote(str(bundle))} --follow --interval 0.5")
-        screen = t.wait_for("requests (")
+        t.wait_for("requests (")
+        screen = t.wait_for("● LIVE")  # the status line is drawn after the overview (a CI run caught it between)
         at_open = _count(screen)
         assert at_open is not None and at_open >= 3, screen
         assert "● LIVE" in screen and "last part" in screen and "UTC" in screen, screen
