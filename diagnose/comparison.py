@@ -24,8 +24,10 @@ from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
 from layerscope.diagnose.config_diff import can_move, change_text, config_diff, diff_records, mark_consistency
 from layerscope.diagnose.load import Run
-from layerscope.diagnose.machine import machine_diff, machine_json, machine_relevant, machine_verdict, unstable
-from layerscope.diagnose.stats import DEFAULT_RULE, Rule, block_means, compare_quantile, compare_rate, sensitivity
+from layerscope.diagnose.machine import (higher_is_worse, machine_diff, machine_json, machine_relevant,
+                                        machine_verdict, unstable)
+from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, against_improvement, block_means, compare_quantile,
+                                      compare_rate, sensitivity)
 from layerscope.diagnose.workload import workload_diff
 
 SCHEMA = "layerscope.diagnosis/1"
@@ -138,10 +140,11 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
 
     attribution: dict[str, pd.DataFrame] = {}
     findings: list[dict] = []
+    against = against_improvement(metrics, rule, higher_is_worse)  # attributed too: "mixed" explains both
     for name, m, q, _ in LATENCY_METRICS:
         comp = quantile_components(a.components(m), b.components(m), m, q)
         attribution[name] = comp
-        if metrics[name]["significant"] or name in attribute:
+        if metrics[name]["significant"] or name in attribute or name in against:
             findings += _findings(name, comp, causes, metrics[name], f"{m.upper()} p{int(q * 100)}")
     tp_a, tp_b = throughput_components(a), throughput_components(b)
     comp = pd.DataFrame({"layer": list(tp_a), "baseline_s": list(tp_a.values()), "candidate_s": list(tp_b.values())})
@@ -150,9 +153,9 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     comp.loc[len(comp)] = ["residual", 0.0, 0.0, 0.0]
     comp["share"] = comp["delta_s"] / d if d else math.nan
     attribution[THROUGHPUT] = comp
-    if metrics[THROUGHPUT]["significant"] or THROUGHPUT in attribute:
+    if metrics[THROUGHPUT]["significant"] or THROUGHPUT in attribute or THROUGHPUT in against:
         findings += _findings(THROUGHPUT, comp, causes, metrics[THROUGHPUT], "time per output token")
-    if metrics[GOODPUT]["significant"] or GOODPUT in attribute:
+    if metrics[GOODPUT]["significant"] or GOODPUT in attribute or GOODPUT in against:
         findings += _goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
 
     verdict = _verdict(metrics, workload_changed)
@@ -161,6 +164,10 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         # varied hit both versions alike there, so only a machine that differed explains it
         verdict, findings = machine_verdict(verdict, metrics, findings, env, causes, cdiff,
                                             interleaved=bool(attribute))
+    if verdict == "improvement" and against:
+        verdict = "mixed"  # better on one metric, worse on another: a trade-off, not an improvement
+        for name in against:
+            metrics[name]["against"] = True
     if verdict == "workload_changed":
         wf = _workload_finding(metrics, wdiff)
         same = [f for f in findings if f["layer"] == "workload" and f["metric"] == wf["metric"]]
@@ -384,6 +391,8 @@ def order_findings(findings: list[dict], metrics: dict, verdict: str) -> list[di
     out = sorted(findings, key=lambda f: -f.pop("_score"))
     if verdict == "regression":
         out.sort(key=lambda f: not (metrics.get(f["metric"]) or {}).get("worse", False))  # stable
+    elif verdict == "mixed":  # what got worse leads: the cost of the trade-off
+        out.sort(key=lambda f: not (metrics.get(f["metric"]) or {}).get("against", False))
     return out
 
 

@@ -56,6 +56,8 @@ def _sig_text(m: dict) -> str:
     if m["significant"]:
         p = f"Mann-Whitney p={m['p_value']:.1g}; " if m.get("p_value") is not None else ""
         return f"yes ({p}{ci})"
+    if m.get("against"):  # a mixed verdict's other side: worse at 95 %, under the gate
+        return f"worse at 95% only ({ci})"
     return f"no ({ci})"
 
 
@@ -117,6 +119,9 @@ def comparison_lines(d: dict[str, Any], attribution: dict | None = None) -> list
         ("title", f"candidate {d['candidate']} vs baseline {d['baseline']}        {nc} vs {nb} requests, "
                   f"{'same workload (checked)' if same else 'WORKLOAD CHANGED'}"),
         ("verdict", d["verdict"].upper().replace("_", " ")),
+        *([("text", "one metric got significantly better while another got worse (its 95% interval wholly on "
+                    "the worse side, under the gate): a trade-off, not an improvement")]
+          if d["verdict"] == "mixed" else []),
         ("table", (["metric", "baseline", "candidate", "change", "significance"],
                    [[METRIC_LABELS.get(k, k), fmt_metric(k, v["baseline"]), fmt_metric(k, v["candidate"]),
                      fmt_pct(v["delta_pct"], True), _sig_text(v)] for k, v in m.items()])),

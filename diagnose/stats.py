@@ -383,6 +383,28 @@ def sensitivity(se_boot: float, run_se: float, rule: Rule) -> dict:
             "run_se_pct": 100 * run_se}
 
 
+def against_improvement(metrics: dict[str, dict], rule: Rule, higher_is_worse) -> list[str]:
+    """The metrics that moved the other way of a significant improvement (a ``mixed`` verdict): no
+    metric gated worse, at least one significantly better, and these worse with their 95 % interval
+    wholly on the worse side by at least their floor taken at the interval's 95 % instead of the gate's
+    ``rule.alpha`` (the same spread, run-to-run and within the runs). A TPOT that fell because fewer
+    requests ran at once while the same burst's throughput fell by a third is a trade-off; calling it
+    an improvement would be the guess the gate exists to avoid. Tails with too few requests beyond
+    them (no ``mde_pct``) are no evidence either way. ``higher_is_worse(name)``: the metric's sense."""
+    if any(m.get("worse") for m in metrics.values()) or not any(m.get("significant") for m in metrics.values()):
+        return []
+    level = z(1 - (1 - rule.confidence) / 2) / z(1 - rule.alpha / 2)
+    out = []
+    for name, m in metrics.items():
+        ci, floor, delta = m.get("ci_pct"), m.get("floor_pct"), m.get("delta_pct")
+        if m.get("significant") or m.get("mde_pct") is None or not ci or floor is None or delta is None:
+            continue
+        worse_side = ci[0] > 0 if higher_is_worse(name) else ci[1] < 0
+        if worse_side and abs(delta) >= level * floor and math.isfinite(ci[0]) and ci[1] > ci[0]:
+            out.append(name)
+    return out
+
+
 def student_t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with ``df`` degrees of freedom (regularized incomplete beta)."""
     if df <= 0 or math.isnan(t):

@@ -18,7 +18,7 @@ the sensitivity (MDE) per metric, and the power to detect a real small change.
   vs 1.2x its own time, ``--fault kernel.slowdown``, both on the same eager op path).
 
 ``report`` diagnoses every pair (``layerscope.diagnose.compare``), checks the A/A verdicts
-(never ``regression``/``improvement``; the busier run named), derives the run-to-run
+(never ``regression``/``improvement``/``mixed``; the busier run named), derives the run-to-run
 spread and the MDE table for 1/3/5/10 repetitions from the quiet runs, and estimates
 detection rate and false alarms of ``regress``'s pooled test (``pooled.compare_versions``
 + ``gate``'s run-level test) by drawing repetition subsets of the power runs.

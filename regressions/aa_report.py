@@ -128,8 +128,8 @@ def report(out: Path) -> dict:
             print(f"  {r['pair']}: busy {r['busy_run']:9s} -> {r['verdict']:19s} primary {r['primary']!s:9s} "
                   f"busier {r['busier']!s:9s} leaning {r['leaning']!s:9s} right={r['named_right']} "
                   f"range x{(r['machine_range'] or math.nan):.1f} wait {r['run_wait_share']}")
-        bad = [r for r in res["busy"] if r["verdict"] in ("regression", "improvement")]
-        print(f"  regression/improvement: {len(bad)} of {len(res['busy'])}; busier run named (significant or "
+        bad = [r for r in res["busy"] if r["verdict"] in ("regression", "improvement", "mixed")]
+        print(f"  regression/improvement/mixed: {len(bad)} of {len(res['busy'])}; busier run named (significant or "
               f"leaning) right: {sum(bool(r['named_right']) for r in res['busy'])} of {len(res['busy'])}")
     pdir = out / "power"
     runs = {k: [RunAnalysis(p) for p in sorted((pdir / k).glob("rep*")) if (p / "manifest.json").is_file()]

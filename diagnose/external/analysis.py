@@ -19,7 +19,8 @@ from layerscope.diagnose.external import measures as ms
 from layerscope.diagnose.external.config import engine_diff
 from layerscope.diagnose.external.run import ExternalRun, load_external
 from layerscope.diagnose.machine import higher_is_worse, machine_diff, machine_explains, machine_json, machine_relevant
-from layerscope.diagnose.stats import EXTERNAL_RULE, Rule, compare_quantile, compare_rate, quantile, sensitivity
+from layerscope.diagnose.stats import (EXTERNAL_RULE, Rule, against_improvement, compare_quantile, compare_rate,
+                                      quantile, sensitivity)
 
 SCHEMA = "layerscope.diagnosis/1"
 REPORT_SCHEMA = "layerscope.external-report/1"
@@ -191,6 +192,16 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     env = machine_diff(_MachineView(a), _MachineView(b))
     if verdict in ("regression", "improvement"):
         verdict, findings = _machine_verdict(verdict, metrics, findings, env, cdiff, worse or better)
+    against = against_improvement({k: v for k, v in metrics.items() if decides(k)}, rule, higher_is_worse)
+    if verdict == "improvement" and against:  # a trade-off (docs/diagnose.md §2): its cost leads
+        verdict = "mixed"
+        for name in against:
+            metrics[name]["against"] = True
+        lat = {n: m for n, m, _, _ in LATENCY}
+        for name in against:
+            if name in lat:
+                findings += latency_findings(name, lat[name], metrics[name], ctx, cdiff)
+        findings.sort(key=lambda f: f["metric"] not in against)  # stable: the order above within each side
     for c in cdiff:  # a changed key is consistent when a finding names the layer it acts on
         c["consistent"] = any(f["layer"] == c["layer"] for f in findings) if c["layer"] and findings else None
     primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
