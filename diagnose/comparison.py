@@ -26,8 +26,8 @@ from layerscope.diagnose.config_diff import can_move, change_text, config_diff, 
 from layerscope.diagnose.load import Run
 from layerscope.diagnose.machine import (higher_is_worse, machine_diff, machine_json, machine_relevant,
                                         machine_verdict, unstable)
-from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, against_improvement, block_means, compare_quantile,
-                                      compare_rate, sensitivity)
+from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, against_improvement, beyond_floor, block_means,
+                                      compare_quantile, compare_rate, sensitivity)
 from layerscope.diagnose.workload import workload_diff
 
 SCHEMA = "layerscope.diagnosis/1"
@@ -255,7 +255,7 @@ def _throughput(a: RunAnalysis, b: RunAnalysis, rule: Rule, saturated: bool = Fa
                                run_se=rule.pair_run_se(THROUGHPUT, "rate", saturated), within_run=not saturated),
                   a.indicators["output_tokens_per_s"], b.indicators["output_tokens_per_s"], rule)
     r["served_share"] = [sa, sb]
-    if r["significant"] and not saturated and not 100 * abs(sb / sa - 1) >= r["floor_pct"]:
+    if r["significant"] and not saturated and not beyond_floor(sb / sa - 1, r["floor_pct"]):
         r["significant"] = r["worse"] = False
     return r
 
@@ -291,7 +291,7 @@ def goodput_change(good_a: np.ndarray, good_b: np.ndarray, ha: float, hb: float,
         rel = (hb / ha) * (bb / np.where(ba > 0, ba, np.nan)) / (fb / fa) - 1
         r["ci_pct"] = [100 * float(np.nanquantile(rel, tail)), 100 * float(np.nanquantile(rel, 1 - tail))]
         r.update(sensitivity(float(np.nanstd(rel)), run_se, rule))
-    sig = abs(r["delta_pct"]) >= r["floor_pct"] and abs(fb - fa) >= 0.05 and (lo > 0 or hi < 0)
+    sig = beyond_floor(r["delta_pct"] / 100, r["floor_pct"]) and abs(fb - fa) >= 0.05 and (lo > 0 or hi < 0)
     r["significant"] = bool(sig)
     r["worse"] = bool(sig and hb < ha)
     return r
@@ -304,7 +304,7 @@ def _headline(r: dict, ha: float, hb: float, rule: Rule) -> dict:
     if r["ci_pct"] is not None and ha > 0:
         r["ci_pct"] = [r["ci_pct"][0] - step_rel + head_rel, r["ci_pct"][1] - step_rel + head_rel]
         lo, hi = r["ci_pct"]
-        r["significant"] = bool(abs(head_rel) >= r["floor_pct"] and (lo > 0 or hi < 0))
+        r["significant"] = bool(beyond_floor(head_rel / 100, r["floor_pct"]) and (lo > 0 or hi < 0))
         r["worse"] = bool(r["significant"] and head_rel < 0)
     r["baseline"], r["candidate"] = ha, hb
     return r

@@ -294,7 +294,7 @@ def compare_quantile(base: np.ndarray, cand: np.ndarray, q: float, kind: str, ru
     p = mann_whitney_p(a, b) if kind == "p50" else None
     enough = min(len(a), len(b)) * (1 - q) >= rule.min_tail_count or q <= 0.5
     sens = sensitivity(float(np.nanstd(rel)), run_se, rule)
-    sig = (enough and 100 * abs(rel_delta) >= sens["floor_pct"]
+    sig = (enough and beyond_floor(rel_delta, sens["floor_pct"])
            and (lo > 0 or hi < 0) and (p is None or p < rule.alpha))
     if not enough:
         sens["mde_pct"] = None  # a tail with too few requests beyond it is never called
@@ -327,7 +327,7 @@ def compare_rate(base_num: np.ndarray, base_den: np.ndarray, cand_num: np.ndarra
                     "worse": False, **sens}
         zc, lr = z(1 - (1 - rule.confidence) / 2), math.log1p(rel_delta)
         ci = [100 * math.expm1(lr - zc * run_se), 100 * math.expm1(lr + zc * run_se)]
-        sig = 100 * abs(rel_delta) >= sens["floor_pct"] and (ci[0] > 0 or ci[1] < 0)
+        sig = beyond_floor(rel_delta, sens["floor_pct"]) and (ci[0] > 0 or ci[1] < 0)
         return {**out, "delta_pct": 100 * rel_delta, "ci_pct": ci, "p_value": None, "significant": bool(sig),
                 "worse": bool(sig and rel_delta < 0), **sens}
     out = {"baseline": _ratio(base_num, base_den), "candidate": _ratio(cand_num, cand_den),
@@ -343,7 +343,7 @@ def compare_rate(base_num: np.ndarray, base_den: np.ndarray, cand_num: np.ndarra
     lo, hi = np.nanquantile(rel, [tail, 1 - tail])
     rel_delta = out["candidate"] / out["baseline"] - 1
     sens = sensitivity(float(np.nanstd(rel)), run_se, rule)
-    sig = 100 * abs(rel_delta) >= sens["floor_pct"] and (lo > 0 or hi < 0)
+    sig = beyond_floor(rel_delta, sens["floor_pct"]) and (lo > 0 or hi < 0)
     return {**out, "delta_pct": 100 * rel_delta, "ci_pct": [100 * float(lo), 100 * float(hi)], "p_value": None,
             "significant": bool(sig), "worse": bool(sig and rel_delta < 0), **sens}
 
@@ -374,6 +374,18 @@ def z(p: float) -> float:
     return NormalDist().inv_cdf(p)
 
 
+def beyond_floor(rel: float, floor_pct: float) -> bool:
+    """Whether a relative change ``rel`` (0.3 = +30 %) is at least the floor, on the ratio scale:
+    a run x(1 + f) slower and one x(1 + f) faster alike, so a fall of f / (1 + f) counts as a rise of
+    f (-30.6 % is a ratio of 1/1.44, as far from 1 as +44 %). On the percent scale a fall could never
+    pass a floor of 100 % (an external pair's TPOT floor is 91 %: x3.3 faster had been "no change"),
+    and every improvement of a latency, every loss of throughput, met a higher bar than its mirror."""
+    if not math.isfinite(rel) or floor_pct is None or not math.isfinite(floor_pct):
+        return False
+    f = floor_pct / 100
+    return rel >= f if rel >= 0 else rel <= -f / (1 + f)
+
+
 def sensitivity(se_boot: float, run_se: float, rule: Rule) -> dict:
     """floor_pct (the smallest change this comparison calls: z(1-alpha/2) * SE), mde_pct
     ((z(1-alpha/2) + z(power)) * SE) and run_se_pct, with SE**2 = se_boot**2 + run_se**2."""
@@ -400,7 +412,7 @@ def against_improvement(metrics: dict[str, dict], rule: Rule, higher_is_worse) -
         if m.get("significant") or m.get("mde_pct") is None or not ci or floor is None or delta is None:
             continue
         worse_side = ci[0] > 0 if higher_is_worse(name) else ci[1] < 0
-        if worse_side and abs(delta) >= level * floor and math.isfinite(ci[0]) and ci[1] > ci[0]:
+        if worse_side and beyond_floor(delta / 100, level * floor) and math.isfinite(ci[0]) and ci[1] > ci[0]:
             out.append(name)
     return out
 

@@ -41,8 +41,8 @@ import pandas as pd
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.load import Run
 from layerscope.diagnose.comparison import GOODPUT, LATENCY_METRICS, THROUGHPUT, meets_slo
-from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, block_indices, compare_quantile, compare_rate, quantile,
-                                       run_level)
+from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, beyond_floor, block_indices, compare_quantile,
+                                       compare_rate, quantile, run_level)
 
 METRIC_NAMES = tuple(name for name, *_ in LATENCY_METRICS) + (THROUGHPUT, GOODPUT)
 _LATENCY = {name: (m, q, kind) for name, m, q, kind in LATENCY_METRICS}
@@ -173,9 +173,9 @@ def _throughput(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], rule: 
         step_rel = r["delta_pct"]
         lo, hi = r["ci_pct"][0] - step_rel + head_rel, r["ci_pct"][1] - step_rel + head_rel
         r["ci_pct"] = [lo, hi]
-        r["significant"] = bool(abs(head_rel) >= r["floor_pct"] and (lo > 0 or hi < 0))
+        r["significant"] = bool(beyond_floor(head_rel / 100, r["floor_pct"]) and (lo > 0 or hi < 0))
     sa, sb = _served_share(base), _served_share(cand)
-    if r["significant"] and not 100 * abs(sb / sa - 1) >= r["floor_pct"]:
+    if r["significant"] and not beyond_floor(sb / sa - 1, r["floor_pct"]):
         r["significant"] = False  # an open-loop run below saturation serves its offered load
     r.update(baseline=ha, candidate=hb, delta_pct=head_rel, served_share=[sa, sb])
     r["worse"] = bool(r["significant"] and head_rel < 0)

@@ -19,8 +19,8 @@ from layerscope.diagnose.external import measures as ms
 from layerscope.diagnose.external.config import engine_diff
 from layerscope.diagnose.external.run import ExternalRun, load_external
 from layerscope.diagnose.machine import higher_is_worse, machine_diff, machine_explains, machine_json, machine_relevant
-from layerscope.diagnose.stats import (EXTERNAL_RULE, Rule, against_improvement, compare_quantile, compare_rate,
-                                      quantile, sensitivity)
+from layerscope.diagnose.stats import (EXTERNAL_RULE, Rule, against_improvement, beyond_floor, compare_quantile,
+                                      compare_rate, quantile, sensitivity)
 
 SCHEMA = "layerscope.diagnosis/1"
 REPORT_SCHEMA = "layerscope.external-report/1"
@@ -396,7 +396,7 @@ def compare_histograms(ha, hb, rule: Rule = EXTERNAL_RULE) -> dict:
     lo, hi = (delta - half) / ma, (delta + half) / ma
     # the floor of diagnose.stats: the relative SE of the buckets' bound and a run-to-run prior
     sens = sensitivity(se / ma, rule.pair_run_se(None, "p50"), rule)
-    sig = 100 * abs(delta / ma) >= sens["floor_pct"] and p < rule.alpha
+    sig = beyond_floor(delta / ma, sens["floor_pct"]) and p < rule.alpha
     return {**out, "delta_pct": 100 * delta / ma, "ci_pct": [100 * lo, 100 * hi], "p_value": None, "z_p_value": p,
             "significant": bool(sig), "worse": bool(sig and delta > 0), **sens}
 

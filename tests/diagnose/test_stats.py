@@ -112,3 +112,28 @@ def test_a_saturated_run_is_not_resampled_over_its_steps():
     nc, dc = na, da * 1.2  # 1/1.2 of the rate: -17 %, within the run-to-run spread
     small = compare_rate(na, da, nc, dc, run_se=0.17, within_run=False)
     assert small["delta_pct"] == pytest.approx(100 * (1 / 1.2 - 1)) and not small["significant"]
+
+
+def test_the_floor_holds_on_the_ratio_scale():
+    from layerscope.diagnose.stats import beyond_floor
+
+    assert beyond_floor(0.44, 44.0) and not beyond_floor(0.43, 44.0)
+    assert beyond_floor(-0.306, 44.0) and not beyond_floor(-0.30, 44.0)  # 1/1.44 = 0.694
+    assert beyond_floor(-0.70, 91.0)  # x3.3 faster passes a 91 % floor (-70 % never did on the percent scale)
+    assert not beyond_floor(float("nan"), 10.0) and not beyond_floor(0.5, float("nan"))
+
+
+def test_a_median_x_slower_and_x_faster_get_the_same_decision():
+    """The same requests made k times slower or k times faster, k just past the floor: both called
+    (on the percent scale the faster one, -1/3 of a +50 % floor, was not)."""
+    from layerscope.diagnose.stats import DEFAULT_RULE, compare_quantile
+
+    rng = np.random.default_rng(3)
+    base = rng.lognormal(mean=-3.0, sigma=0.3, size=200)
+    probe = compare_quantile(base, base * 1.01, 0.5, "p50", DEFAULT_RULE, paired=True, metric="tpot_p50_s")
+    k = 1 + 1.05 * probe["floor_pct"] / 100
+    up = compare_quantile(base, base * k, 0.5, "p50", DEFAULT_RULE, paired=True, metric="tpot_p50_s")
+    down = compare_quantile(base, base / k, 0.5, "p50", DEFAULT_RULE, paired=True, metric="tpot_p50_s")
+    assert up["significant"] and up["worse"], up
+    assert down["significant"] and not down["worse"], down
+    assert down["delta_pct"] > -probe["floor_pct"]  # a smaller percentage than the floor, the same ratio

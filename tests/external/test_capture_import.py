@@ -303,3 +303,29 @@ def test_a_machine_that_varied_explains_an_external_change_only_without_a_server
     assert "max_num_seqs" in [r["key"] for r in d["config_diff"]]
     assert d["verdict"] == "regression" and d["primary"]["layer"] != "hardware", d["findings"][:1]
     assert any(ev.startswith("the machine") for ev in d["findings"][0]["evidence"])
+
+
+def test_an_external_improvement_with_a_cost_elsewhere_is_mixed(tmp_path):
+    """Per-token latency 20x lower (gated) while TTFT p50 rose ~67 % with its interval wholly above 0
+    but under the one-pair gate of an external comparison: a trade-off (``mixed``), TTFT's finding
+    first, as for our own bundles (stats.against_improvement)."""
+    import random
+
+    def bench(ttft: float, itl: float, seed: int) -> dict:
+        d = _bench_json(60, ttft, seed)
+        rng = random.Random(seed + 100)
+        d["itls"] = [[itl * (0.9 + 0.2 * rng.random()) for _ in range(15)] for _ in range(60)]
+        d["latencies"] = [t + sum(i) for t, i in zip(d["ttfts"], d["itls"])]
+        return d
+
+    for name, (ttft, itl, seed) in {"a": (0.10, 0.01, 0), "b": (0.17, 0.0005, 1), "c": (0.10, 0.0005, 1)}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(bench(ttft, itl, seed)))
+        assert main(["import", "vllm-bench", str(tmp_path / f"{name}.json")]) == 0
+    d = compare_external(tmp_path / "a-bundle", tmp_path / "b-bundle")
+    m = d["metrics"]
+    assert m["tpot_p50_s"]["significant"] and m["tpot_p50_s"]["delta_pct"] < -90
+    assert not m["ttft_p50_s"]["significant"] and m["ttft_p50_s"]["ci_pct"][0] > 0
+    assert d["verdict"] == "mixed" and m["ttft_p50_s"].get("against") is True, (d["verdict"], m["ttft_p50_s"])
+    assert d["findings"][0]["metric"] == "ttft_p50_s" and d["primary"]["metric"] == "ttft_p50_s"
+    # the same improvement without the TTFT cost is an improvement
+    assert compare_external(tmp_path / "a-bundle", tmp_path / "c-bundle")["verdict"] == "improvement"
