@@ -139,13 +139,8 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule, saturated)
 
     attribution: dict[str, pd.DataFrame] = {}
-    findings: list[dict] = []
-    against = against_improvement(metrics, rule, higher_is_worse)  # attributed too: "mixed" explains both
     for name, m, q, _ in LATENCY_METRICS:
-        comp = quantile_components(a.components(m), b.components(m), m, q)
-        attribution[name] = comp
-        if metrics[name]["significant"] or name in attribute or name in against:
-            findings += _findings(name, comp, causes, metrics[name], f"{m.upper()} p{int(q * 100)}")
+        attribution[name] = quantile_components(a.components(m), b.components(m), m, q)
     tp_a, tp_b = throughput_components(a), throughput_components(b)
     comp = pd.DataFrame({"layer": list(tp_a), "baseline_s": list(tp_a.values()), "candidate_s": list(tp_b.values())})
     comp["delta_s"] = comp["candidate_s"] - comp["baseline_s"]
@@ -153,21 +148,29 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     comp.loc[len(comp)] = ["residual", 0.0, 0.0, 0.0]
     comp["share"] = comp["delta_s"] / d if d else math.nan
     attribution[THROUGHPUT] = comp
-    if metrics[THROUGHPUT]["significant"] or THROUGHPUT in attribute or THROUGHPUT in against:
-        findings += _findings(THROUGHPUT, comp, causes, metrics[THROUGHPUT], "time per output token")
-    if metrics[GOODPUT]["significant"] or GOODPUT in attribute or GOODPUT in against:
-        findings += _goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
+    labels = {name: f"{m.upper()} p{int(q * 100)}" for name, m, q, _ in LATENCY_METRICS}
+    labels[THROUGHPUT] = "time per output token"
 
+    def explain(name: str) -> list[dict]:
+        """The findings of one metric's change (where it went, layer by layer, and why)."""
+        if name == GOODPUT:
+            return _goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
+        return _findings(name, attribution[name], causes, metrics[name], labels[name])
+
+    findings = [f for name in metrics if metrics[name]["significant"] or name in attribute for f in explain(name)]
     verdict = _verdict(metrics, workload_changed)
     if verdict in ("regression", "improvement") and machine_relevant(env):
         # regress (``attribute``) established the change over interleaved repetitions: a machine that
         # varied hit both versions alike there, so only a machine that differed explains it
         verdict, findings = machine_verdict(verdict, metrics, findings, env, causes, cdiff,
                                             interleaved=bool(attribute))
-    if verdict == "improvement" and against:
-        verdict = "mixed"  # better on one metric, worse on another: a trade-off, not an improvement
+    against = against_improvement(metrics, rule, higher_is_worse) if verdict == "improvement" else []
+    if against:  # better on one metric, worse on another: a trade-off, not an improvement
+        verdict = "mixed"
         for name in against:
             metrics[name]["against"] = True
+            if name not in attribute:  # attributed already
+                findings += explain(name)
     if verdict == "workload_changed":
         wf = _workload_finding(metrics, wdiff)
         same = [f for f in findings if f["layer"] == "workload" and f["metric"] == wf["metric"]]
