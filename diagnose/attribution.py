@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from layerscope.contract import CONFIG_DEFAULTS
 from layerscope.diagnose import model
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.decompose import COMPONENTS, col
@@ -45,6 +46,14 @@ STEP_PHASES = ("engine.schedule", "model.forward", "parallel.collective", "engin
 # collective delay 0.63 (slower steps batch more), token budget 32 0.52, max_num_seqs 1 0.17, a
 # 16-block KV pool 0.32
 MIN_BATCH_OVERLAP = 0.5
+# the run's own threads' CPU wait share (run-queue wait over wait + CPU) must move at least this much
+# the way the steps did for a routing change to be read as the replicas' changed share of the CPUs
+# (fault matrix router.skew, 2026-12-02/03, three revisions: 42-43% -> 26-30%)
+MIN_WAIT_MOVE = 0.05
+# Router policies whose choice does not depend on how fast the replicas are: round_robin takes
+# them in turn, prefix_affinity hashes the prompt's first block (least_loaded follows the
+# replicas' requests in flight, which slower steps change: there the share can follow the speed).
+LOAD_INDEPENDENT_ROUTING = ("round_robin", "prefix_affinity")
 # config keys that shape the batch, and the layer each acts through (first match wins)
 BATCH_SHAPING = {"max_num_batched_tokens": "engine.queue", "enable_chunked_prefill": "engine.schedule",
                  "max_num_seqs": "engine.queue", "num_kv_blocks": "engine.kv", "resolved.num_kv_blocks": "engine.kv",
@@ -134,9 +143,10 @@ class Causes:
     """Cause rules for one baseline/candidate pair (both runs' analyses + their diffs)."""
 
     def __init__(self, a: RunAnalysis, b: RunAnalysis, changed_keys: set[str], workload_changed: bool,
-                 hardware_changed: bool, same_machine: bool = False):
+                 hardware_changed: bool, same_machine: bool = False, machine: dict | None = None):
         self.a, self.b = a, b
         self.same_machine = same_machine  # machine evidence recorded in both runs says it did not differ
+        self.machine = machine or {}  # machine.machine_diff of the two runs (the run's own CPU wait)
         self.ia, self.ib = a.indicators, b.indicators
         self.keys = changed_keys
         self.workload_changed = workload_changed
@@ -243,8 +253,45 @@ class Causes:
         vals = [v for v in r.values() if not math.isnan(v)]
         if len(vals) < 3 or self.keys or self.workload_changed or self.same_machine:
             return None
-        up = all(v >= 1.25 for v in vals) or all(v <= 0.8 for v in vals)
-        return r if up and max(vals) / min(vals) <= 1.8 else None
+        return r if _common_factor(vals) else None
+
+    def routing_policies(self) -> set[str]:
+        default = CONFIG_DEFAULTS["router_policy"]
+        return {self.a.cfg("router_policy", default), self.b.cfg("router_policy", default)}
+
+    def routing_load_independent(self) -> bool:
+        """Both runs routed with a policy that the replicas' speed does not steer: a share that
+        moved was the routing's doing, not a consequence of how fast the replicas ran."""
+        return self.routing_policies() <= set(LOAD_INDEPENDENT_ROUTING)
+
+    def routing_shared_cpus(self, s: float = 1.0) -> list[str] | None:
+        """The routing moved load between replicas that share the machine's CPUs, and that changed
+        how fast every step ran: the busiest replica's share moved (either way), every step phase
+        moved by about one factor in the direction ``s`` (slower: s > 0), and the run's own threads
+        waited for a CPU more (s > 0) or less of the time, with nothing else changed (no config key
+        but the router's, same workload) and a routing the replicas' speed does not steer. One
+        replica taking most of a burst, on a machine where the replicas, the gateway and the client
+        share the cores, gets a core to itself: its steps run faster although the routing is worse
+        balanced (and spreading the load makes them compete). Evidence lines, or None."""
+        ia, ib = self.ia, self.ib
+        if (max(ia["num_replicas"], ib["num_replicas"]) <= 1 or self.workload_changed
+                or self.keys - {"router_policy"} or abs(ib["replica_share_max"] - ia["replica_share_max"]) < 0.15
+                or not self.routing_load_independent()):
+            return None
+        r = self.phase_ratios()
+        vals = [v for v in r.values() if not math.isnan(v)]
+        if len(vals) < 3 or not _common_factor(vals) or (vals[0] > 1) != (s > 0):
+            return None
+        wait = self.machine.get("run_wait_share")
+        if not wait or any(w is None or math.isnan(w) for w in wait) or s * (wait[1] - wait[0]) < MIN_WAIT_MOVE:
+            return None
+        was, now = self.busiest_replica_share()
+        p = self.machine.get("run_wait_p_value")
+        return [f"busiest replica gets {now:.0%} of requests (was {was:.0%}; fair share "
+                f"{1 / max(ib['num_replicas'], 1):.0%})",
+                "per step at equal batch size: " + ", ".join(f"{k} x{v:.2f}" for k, v in r.items() if not math.isnan(v)),
+                f"the run's own threads waited for a CPU {wait[0]:.0%} -> {wait[1]:.0%} of the time they were runnable"
+                + (f" (p={p:.2g})" if p is not None and not math.isnan(p) else "")]
 
     def slowdown(self, s: float = 1.0) -> float:
         """How much slower (s > 0) or faster (s < 0) the step phases got at equal batch size, as a
@@ -268,6 +315,12 @@ class Causes:
         if self.router_skewed(s) and layer not in ("gateway.queue", "gateway.route", "parallel.collective"):
             return [Part("gateway.route", delta_s, f"the router overloads one replica: its requests wait and its "
                          f"batches grow ({layer})", self._router_evidence())]
+        if layer in ("engine.queue", "engine.schedule", "model.forward", "engine.output", "idle") and (
+                shared := self.routing_shared_cpus(s)):
+            return [Part("gateway.route", delta_s, "the routing moved requests between replicas that share the "
+                         f"machine's CPUs: the run's own processes competed {'more' if s > 0 else 'less'} for a "
+                         f"CPU, and every phase of a step ran {'slower' if s > 0 else 'faster'} by about one "
+                         f"factor ({layer})", shared)]
         if self.uniform and layer in ("engine.queue", "engine.schedule", "model.forward", "engine.output",
                                       "parallel.collective", "engine.kv", "idle"):
             u = self.uniform
@@ -755,6 +808,14 @@ def _fit_at(x: np.ndarray, y: np.ndarray, at: float) -> float:
         return float(y.mean())
     b, a = np.polyfit(x, y, 1)
     return float(max(a + b * at, 0.0))
+
+
+
+def _common_factor(ratios: list[float]) -> bool:
+    """Per-step phase ratios (candidate / baseline) that all moved one way by about one factor:
+    all >= 1.25 or all <= 0.8, and the largest within x1.8 of the smallest."""
+    up = all(v >= 1.25 for v in ratios) or all(v <= 0.8 for v in ratios)
+    return up and max(ratios) / min(ratios) <= 1.8
 
 
 def _z(x) -> float:

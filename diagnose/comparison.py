@@ -112,7 +112,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     # interleaved repetitions): a slowdown of every phase alike is then not the machine's
     same_machine = bool(env.get("recorded") and not env.get("changed") and (attribute or not unstable(env)))
     causes = Causes(a, b, changed_keys, workload_changed, bool((cdiff["kind"] == "hardware").any()),
-                    same_machine=same_machine)
+                    same_machine=same_machine, machine=env)
     the_slo = slos(a, slo)
 
     metrics: dict[str, dict] = {}

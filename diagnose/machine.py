@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from layerscope.contract import CONFIG_DEFAULTS
 from layerscope.diagnose.config_diff import can_move
 from layerscope.diagnose.stats import mann_whitney_p
 
@@ -205,22 +204,15 @@ def higher_is_worse(name: str) -> bool:
     return not name.startswith(("output_tokens_per_s", "goodput"))
 
 
-# Router policies whose choice does not depend on how fast the replicas are: round_robin takes
-# them in turn, prefix_affinity hashes the prompt's first block (least_loaded follows the
-# replicas' requests in flight, which a slower machine changes).
-LOAD_INDEPENDENT_ROUTING = ("round_robin", "prefix_affinity")
-
-
-def _routing_moved(causes, worse: bool) -> str | None:
+def _routing_moved(causes) -> str | None:
     """Why the machine cannot explain the routing: the busiest replica's share moved (by the cause
     rules' measure) while both runs routed with a policy that the replicas' speed does not steer.
     None when it did not move, or when a load-following policy could have moved it."""
-    if not causes.router_skewed(1.0 if worse else -1.0):
+    if not (causes.router_skewed(1.0) or causes.router_skewed(-1.0)):  # moved either way: not the machine's
         return None
-    default = CONFIG_DEFAULTS["router_policy"]
-    policies = {causes.a.cfg("router_policy", default), causes.b.cfg("router_policy", default)}
-    if not policies <= set(LOAD_INDEPENDENT_ROUTING):
+    if not causes.routing_load_independent():
         return None
+    policies = causes.routing_policies()
     was, now = causes.busiest_replica_share()
     return (f"the busiest replica's share of requests went from {was:.0%} to {now:.0%} under "
             f"{' and '.join(sorted(policies))}, a routing the machine's speed does not steer")
@@ -286,7 +278,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     keyed = cdiff[cdiff["kind"].isin(["config", "resolved"])] if len(cdiff) else cdiff
     config_layers = [r.layer for r in keyed.itertuples() if isinstance(r.layer, str)]
     config_move = top is not None and any(can_move(k, {top["layer"]}) for k in config_layers)
-    routed = _routing_moved(causes, worse) if any(f["layer"] == "gateway.route" for f in software) else None
+    routed = _routing_moved(causes) if any(f["layer"] == "gateway.route" for f in software) else None
     if standout is not None or config_move or routed:
         why = (f"{standout['phase']} per {'step' if standout['phase'].startswith(('engine', 'model', 'parallel')) else 'request'}"
                f" x{standout['ratio']:.2f} while the other phases moved x{standout['others']:.2f}, beyond the "
