@@ -52,7 +52,8 @@ def _sig_text(m: dict) -> str:
     lo, hi = m["ci_pct"]
     ci = f"95% CI {lo:+.0f}..{hi:+.0f}%"
     if m.get("mde_pct") is not None:
-        ci += f"; could see {m['mde_pct']:.0f}%"
+        mde = m["mde_pct"]  # the rise it could see; on the ratio scale the same power sees a fall of mde/(1+mde)
+        ci += f"; could see +{mde:.0f}%/-{100 * mde / (100 + mde):.0f}%"
     if m["significant"]:
         p = f"Mann-Whitney p={m['p_value']:.1g}; " if m.get("p_value") is not None else ""
         return f"yes ({p}{ci})"
