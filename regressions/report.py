@@ -29,11 +29,22 @@ from layerscope.diagnose.config_diff import source_text
 from layerscope.regressions.regress import EXIT_OK, EXIT_REGRESSION
 from layerscope.regressions.suite import HIGHER_IS_BETTER, METRICS
 
-STATUS_TEXT = {"regressed": "REGRESSED", "worse": "worse", "improved": "improved", "unchanged": "same"}
+# "unchanged" is no evidence of sameness, only of no change the repetitions could see: the text says so
+# and, where known, how large a rise they would have seen (status_text)
+STATUS_TEXT = {"regressed": "REGRESSED", "worse": "worse", "improved": "improved", "unchanged": "not shown"}
 _COLORS = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#937860", "#da8bc3", "#8c8c8c", "#ccb974")
 
 
 # ---- formatting ------------------------------------------------------------------------------
+def status_text(g: dict) -> str:
+    """The gate's status of one metric; an unchanged one with the rise it could have seen."""
+    text = STATUS_TEXT[g["status"]]
+    mde = g.get("mde_pct")
+    if g["status"] == "unchanged" and mde is not None and not (isinstance(mde, float) and math.isnan(mde)):
+        text += f" (MDE {mde:.0f}%)"
+    return text
+
+
 def fmt_value(metric: str, v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
@@ -122,7 +133,7 @@ def _cell_blocks(result, cell: dict) -> list[tuple[str, Any]]:
             g = cell["comparisons"].get(c, {}).get(m)
             val = cell["versions"][c]["metrics"][m]["value"]
             row += [fmt_value(m, val), fmt_pct(g["delta_pct"]) if g else "-", fmt_ci(g["ci_pct"]) if g else "-",
-                    STATUS_TEXT[g["status"]] if g else "n/a"]
+                    status_text(g) if g else "n/a"]
         thr = result.suite.thresholds.get(m)
         row.append("not gated" if thr is None else f"{'-' if m in HIGHER_IS_BETTER else '+'}{thr:.0f}%")
         rows.append(row)
@@ -392,7 +403,7 @@ def terminal_table(result):
                 g = cell["comparisons"].get(c, {}).get(m)
                 row.append(fmt_value(m, cell["versions"][c]["metrics"][m]["value"]))
                 row.append(fmt_pct(g["delta_pct"]) if g else "-")
-                row.append(f"[{style[g['status']]}]{STATUS_TEXT[g['status']]}[/]" if g else "n/a")
+                row.append(f"[{style[g['status']]}]{status_text(g)}[/]" if g else "n/a")
             thr = result.suite.thresholds.get(m)
             row.append("-" if thr is None else f"{thr:.0f}%")
             t.add_row(*row)

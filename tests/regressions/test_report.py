@@ -100,6 +100,14 @@ def test_same_version_twice_passes(tmp_path):
     statuses = {g["status"] for g in result.cells[0]["comparisons"]["cand"].values()}
     assert "regressed" not in statuses
     assert [d for d in result.config_diffs["cand"] if d["kind"] == "config"] == []
+    # an unchanged metric is reported as not shown, with the rise the repetitions could have seen
+    console = Console(width=200, record=True, color_system=None)
+    console.print(terminal_table(result))
+    text = console.export_text()
+    unchanged = [g for g in result.cells[0]["comparisons"]["cand"].values()
+                 if g["status"] == "unchanged" and g.get("mde_pct") is not None]
+    assert unchanged and f"not shown (MDE {unchanged[0]['mde_pct']:.0f}%)" in text, text
+    assert " same " not in text
 
 
 def test_one_slow_repetition_is_not_a_regression(tmp_path):
