@@ -810,7 +810,6 @@ def _fit_at(x: np.ndarray, y: np.ndarray, at: float) -> float:
     return float(max(a + b * at, 0.0))
 
 
-
 def _common_factor(ratios: list[float]) -> bool:
     """Per-step phase ratios (candidate / baseline) that all moved one way by about one factor:
     all >= 1.25 or all <= 0.8, and the largest within x1.8 of the smallest."""
