@@ -50,6 +50,8 @@ MIN_BATCH_OVERLAP = 0.5
 # the way the steps did for a routing change to be read as the replicas' changed share of the CPUs
 # (fault matrix router.skew, 2026-12-02/03, three revisions: 42-43% -> 26-30%)
 MIN_WAIT_MOVE = 0.05
+# the busiest replica's share of requests (in fair shares) moved by at least this: the routing changed
+ROUTER_SHARE_MOVE = 0.15
 # Router policies whose choice does not depend on how fast the replicas are: round_robin takes
 # them in turn, prefix_affinity hashes the prompt's first block (least_loaded follows the
 # replicas' requests in flight, which slower steps change: there the share can follow the speed).
@@ -273,9 +275,7 @@ class Causes:
         replica taking most of a burst, on a machine where the replicas, the gateway and the client
         share the cores, gets a core to itself: its steps run faster although the routing is worse
         balanced (and spreading the load makes them compete). Evidence lines, or None."""
-        ia, ib = self.ia, self.ib
-        if (max(ia["num_replicas"], ib["num_replicas"]) <= 1 or self.workload_changed
-                or self.keys - {"router_policy"} or abs(ib["replica_share_max"] - ia["replica_share_max"]) < 0.15
+        if (not self.routing_moved() or self.workload_changed or self.keys - {"router_policy"}
                 or not self.routing_load_independent()):
             return None
         r = self.phase_ratios()
@@ -285,13 +285,11 @@ class Causes:
         wait = self.machine.get("run_wait_share")
         if not wait or any(w is None or math.isnan(w) for w in wait) or s * (wait[1] - wait[0]) < MIN_WAIT_MOVE:
             return None
-        was, now = self.busiest_replica_share()
         p = self.machine.get("run_wait_p_value")
-        return [f"busiest replica gets {now:.0%} of requests (was {was:.0%}; fair share "
-                f"{1 / max(ib['num_replicas'], 1):.0%})",
-                "per step at equal batch size: " + ", ".join(f"{k} x{v:.2f}" for k, v in r.items() if not math.isnan(v)),
-                f"the run's own threads waited for a CPU {wait[0]:.0%} -> {wait[1]:.0%} of the time they were runnable"
-                + (f" (p={p:.2g})" if p is not None and not math.isnan(p) else "")]
+        return self._router_evidence() + [
+            "per step at equal batch size: " + ", ".join(f"{k} x{v:.2f}" for k, v in r.items() if not math.isnan(v)),
+            f"the run's own threads waited for a CPU {wait[0]:.0%} -> {wait[1]:.0%} of the time they were runnable"
+            + (f" (p={p:.2g})" if p is not None and not math.isnan(p) else "")]
 
     def slowdown(self, s: float = 1.0) -> float:
         """How much slower (s > 0) or faster (s < 0) the step phases got at equal batch size, as a
@@ -303,7 +301,11 @@ class Causes:
         """The busiest replica's share grew (s > 0) or shrank (s < 0, the baseline was skewed)."""
         ia, ib = self.ia, self.ib
         return (max(ia["num_replicas"], ib["num_replicas"]) > 1
-                and s * (ib["replica_share_max"] - ia["replica_share_max"]) >= 0.15)
+                and s * (ib["replica_share_max"] - ia["replica_share_max"]) >= ROUTER_SHARE_MOVE)
+
+    def routing_moved(self) -> bool:
+        """The busiest replica's share moved, either way."""
+        return self.router_skewed(1.0) or self.router_skewed(-1.0)
 
     def explain(self, layer: str, delta_s: float, metric: str, from_slowdown: bool = False) -> list[Part]:
         """Blame ``delta_s`` seconds measured in ``layer`` on the layer(s) that caused it.

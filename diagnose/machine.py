@@ -208,9 +208,7 @@ def _routing_moved(causes) -> str | None:
     """Why the machine cannot explain the routing: the busiest replica's share moved (by the cause
     rules' measure) while both runs routed with a policy that the replicas' speed does not steer.
     None when it did not move, or when a load-following policy could have moved it."""
-    if not (causes.router_skewed(1.0) or causes.router_skewed(-1.0)):  # moved either way: not the machine's
-        return None
-    if not causes.routing_load_independent():
+    if not causes.routing_moved() or not causes.routing_load_independent():  # either way: not the machine's
         return None
     policies = causes.routing_policies()
     was, now = causes.busiest_replica_share()

@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from layerscope.diagnose.stats import mirrored_fall_pct
+
 METRIC_LABELS = {
     "ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "tpot_p50_s": "TPOT p50", "tpot_p99_s": "TPOT p99",
     "e2e_p50_s": "E2E p50", "output_tokens_per_s": "tokens/s", "goodput_requests_per_s": "goodput req/s",
@@ -52,8 +54,8 @@ def _sig_text(m: dict) -> str:
     lo, hi = m["ci_pct"]
     ci = f"95% CI {lo:+.0f}..{hi:+.0f}%"
     if m.get("mde_pct") is not None:
-        mde = m["mde_pct"]  # the rise it could see; on the ratio scale the same power sees a fall of mde/(1+mde)
-        ci += f"; could see +{mde:.0f}%/-{100 * mde / (100 + mde):.0f}%"
+        mde = m["mde_pct"]  # the rise it could see, and the fall the same power sees on the ratio scale
+        ci += f"; could see +{mde:.0f}%/-{mirrored_fall_pct(mde):.0f}%"
     if m["significant"]:
         p = f"Mann-Whitney p={m['p_value']:.1g}; " if m.get("p_value") is not None else ""
         return f"yes ({p}{ci})"

@@ -382,8 +382,13 @@ def beyond_floor(rel: float, floor_pct: float) -> bool:
     and every improvement of a latency, every loss of throughput, met a higher bar than its mirror."""
     if not math.isfinite(rel) or floor_pct is None or not math.isfinite(floor_pct):
         return False
-    f = floor_pct / 100
-    return rel >= f if rel >= 0 else rel <= -f / (1 + f)
+    return rel >= floor_pct / 100 if rel >= 0 else -rel >= mirrored_fall_pct(floor_pct) / 100
+
+
+def mirrored_fall_pct(rise_pct: float) -> float:
+    """The fall (percent, positive) as far from 1 on the ratio scale as a rise of ``rise_pct``:
+    f / (1 + f) (a rise of 44 % and a fall of 30.6 % are the ratios 1.44 and 1/1.44)."""
+    return 100 * rise_pct / (100 + rise_pct)
 
 
 def sensitivity(se_boot: float, run_se: float, rule: Rule) -> dict:
