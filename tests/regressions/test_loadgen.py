@@ -242,14 +242,20 @@ def test_run_writes_one_valid_bundle_per_workload(workload, tiny_model, tmp_path
     for col in ("client_send_ns", "gateway_arrival_ns", "engine_arrival_ns", "engine_first_token_ns",
                 "gateway_first_token_ns", "client_first_token_ns", "ttft_s", "client_ttft_s"):
         assert rq[col].notna().all(), col
-    # the client's TTFT holds the server's; the difference is the client layer (loopback, HTTP, SSE parsing)
+    # one monotonic clock along the path: each layer stamps after the one before it hands over
+    path = ["client_send_ns", "gateway_arrival_ns", "engine_arrival_ns", "engine_first_token_ns",
+            "gateway_first_token_ns", "client_first_token_ns"]
+    for before, after in zip(path, path[1:]):
+        assert (rq[after] >= rq[before]).all(), rq[["request_id", before, after]]
+    # the client's TTFT holds the server's; the difference is the client layer (loopback, HTTP, SSE
+    # parsing), exactly the two ends of the path outside the gateway
     client_layer = rq.client_ttft_s - rq.ttft_s
-    assert (client_layer >= 0).all(), rq[["request_id", "ttft_s", "client_ttft_s"]]
-    p50_ms = client_layer.median() * 1000
-    print(f"\n{workload}: {len(rq)} requests, client layer p50 {p50_ms:.2f} ms "
+    outside_ns = (rq.gateway_arrival_ns - rq.client_send_ns) + (rq.client_first_token_ns - rq.gateway_first_token_ns)
+    assert ((client_layer * 1e9 - outside_ns).abs() < 1e3).all(), rq[["request_id", "ttft_s", "client_ttft_s"]]
+    # its size is a timing (a few ms on an idle machine, ~50 ms for a 16-request burst on a busy
+    # CI host): printed here, not bounded; a timing target belongs to a benchmark script
+    print(f"\n{workload}: {len(rq)} requests, client layer p50 {client_layer.median() * 1000:.2f} ms "
           f"(server TTFT p50 {rq.ttft_s.median() * 1000:.1f} ms)")
-    # small on loopback: a few ms on an idle machine; the bound leaves room for a shared, busy one
-    assert p50_ms < max(50.0, 0.5 * rq.ttft_s.median() * 1000)
     assert len(b.steps) > 0 and set(b.spans.layer.dropna()) >= {"gateway.queue", "gateway.route", "engine.queue"}
     m = b.manifest
     assert m["workload"]["name"] == workload and m["workload"]["seed"] == 0
