@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
+from typing import Sequence
 
 import numpy as np
 
@@ -470,21 +471,43 @@ def _betainc(a: float, b: float, x: float) -> float:
     return front * (f - 1) / a
 
 
+# Pairs from which run_level tests the pairs' differences (df = k - 1) instead of the two samples
+# (df = 2k - 2): pairing wins when neighbouring runs share the machine's state (a busy spell of the
+# host lasting minutes slows both runs of a pair) by more than the df it costs; at 6 pairs the
+# break-even correlation of a pair's two runs is 0.25 (t(0.975, 5) = 2.57 against t(0.975, 10) =
+# 2.23), at 10 pairs 0.14. Measured here: 0.49 (TPOT p50, 40 pairs, docs/diagnose.md §2.3).
+PAIRED_MIN_PAIRS = 6
+
+
+def _finite_log(values) -> np.ndarray:
+    return np.log([x for x in values if _usable(x)])
+
+
+def _usable(x) -> bool:
+    return x is not None and math.isfinite(x) and x > 0
+
+
 def run_level(base: list[float], cand: list[float], alpha: float = 0.05, power: float = 0.9,
-              higher_is_worse: bool = True) -> dict:
+              higher_is_worse: bool = True, pairs: Sequence[tuple[int, int]] | None = None) -> dict:
     """The run as the unit: a two-sided t-test on log(per-repetition value) between two
-    versions (pooled SD, df = ka + kb - 2), its MDE, and the measured run-to-run spread.
+    versions, its MDE, and the measured run-to-run spread.
+
+    ``pairs``: (i, j) with ``base[i]`` and ``cand[j]`` run next to each other (``regress``'s
+    interleaved repetitions). With ``PAIRED_MIN_PAIRS`` pairs of usable values the test is on the
+    pairs' log differences (paired t, df = k - 1): the machine's slow drift, shared by a pair,
+    cancels. Otherwise, and without ``pairs``, the two samples' (pooled SD, df = ka + kb - 2).
 
     Returns k_baseline, k_candidate, spread (relative SD between repetitions of a version,
-    pooled over both; None with fewer than 3 repetitions in all), delta_pct (ratio of
-    geometric means), p_value, significant, worse, mde_pct (the change detected with
-    probability ``power`` at alpha with these repetitions and this spread).
+    pooled over both; None with fewer than 3 repetitions in all), paired (which test ran),
+    pair_spread (paired only: the SD of the pairs' differences / sqrt 2, the spread an unpaired
+    test would need for the same SE), se (of the log difference), delta_pct (ratio of geometric
+    means), p_value, significant, worse, mde_pct (the change detected with probability ``power`` at
+    alpha with these repetitions and this spread).
     """
-    a = np.log([x for x in base if x is not None and x > 0 and math.isfinite(x)])
-    b = np.log([x for x in cand if x is not None and x > 0 and math.isfinite(x)])
+    a, b = _finite_log(base), _finite_log(cand)
     ka, kb = len(a), len(b)
-    out = {"k_baseline": ka, "k_candidate": kb, "spread": None, "delta_pct": None, "p_value": None,
-           "significant": False, "worse": False, "mde_pct": None}
+    out = {"k_baseline": ka, "k_candidate": kb, "spread": None, "paired": False, "pair_spread": None, "se": None,
+           "delta_pct": None, "p_value": None, "significant": False, "worse": False, "mde_pct": None}
     if ka == 0 or kb == 0:
         return out
     d = float(b.mean() - a.mean())
@@ -496,6 +519,13 @@ def run_level(base: list[float], cand: list[float], alpha: float = 0.05, power: 
     sd = math.sqrt(ss / df)
     out["spread"] = sd
     se = sd * math.sqrt(1 / ka + 1 / kb)
+    both = [(base[i], cand[j]) for i, j in pairs or () if _usable(base[i]) and _usable(cand[j])]
+    if len(both) >= PAIRED_MIN_PAIRS:
+        diffs = np.log([y for _, y in both]) - np.log([x for x, _ in both])
+        d, df = float(diffs.mean()), len(diffs) - 1
+        se = float(diffs.std(ddof=1)) / math.sqrt(len(diffs))
+        out.update(paired=True, pair_spread=float(diffs.std(ddof=1)) / math.sqrt(2), delta_pct=100 * math.expm1(d))
+    out["se"] = se
     out["mde_pct"] = 100 * math.expm1((student_t_ppf(1 - alpha / 2, df) + student_t_ppf(power, df)) * se)
     if se == 0:
         out["p_value"] = 0.0 if d else 1.0
@@ -508,14 +538,15 @@ def run_level(base: list[float], cand: list[float], alpha: float = 0.05, power: 
 
 
 def repetitions_needed(spread: float, target_pct: float, alpha: float = 0.05, power: float = 0.9,
-                       max_k: int = 200) -> int | None:
+                       max_k: int = 200, paired: bool = False) -> int | None:
     """Repetitions per version for a run-level t-test to detect a ``target_pct`` change with
-    probability ``power`` at ``alpha``, given the run-to-run relative SD ``spread``."""
+    probability ``power`` at ``alpha``, given the run-to-run relative SD ``spread`` (``paired``: the
+    pairs' ``pair_spread``, df = k - 1 from ``PAIRED_MIN_PAIRS`` pairs on, as ``run_level`` tests)."""
     if spread is None or not spread > 0:
         return 2
     target = math.log1p(target_pct / 100)
     for k in range(2, max_k + 1):
-        df = 2 * k - 2
+        df = k - 1 if paired and k >= PAIRED_MIN_PAIRS else 2 * k - 2
         if (student_t_ppf(1 - alpha / 2, df) + student_t_ppf(power, df)) * spread * math.sqrt(2 / k) <= target:
             return k
     return None

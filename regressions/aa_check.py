@@ -80,8 +80,9 @@ def record(kind: str, out: Path, pairs: int, reps: int, base_args: list[str], ca
             (p / "done.json").write_text(json.dumps({"busy": busy_run, "wall_s": walls}))
             print(f"{kind} pair {i}: busy run {busy_run}, wall {walls}", flush=True)
     else:
-        for i in range(reps):
-            for label, extra in (("base", base_args), ("cand", cand_args)):
+        for i in range(reps):  # A B, B A, ...: as regress's plan_runs, drift favours neither
+            order = (("base", base_args), ("cand", cand_args))
+            for label, extra in (order if i % 2 == 0 else order[::-1]):
                 b = d / label / f"rep{i:02d}"
                 if (b / "manifest.json").is_file():
                     continue

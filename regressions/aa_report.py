@@ -8,7 +8,8 @@
   repetitions a side (stats: z for one pair, Student t with the run as the unit);
 - power: detection rate of a real change and false-alarm rate of A/A draws, over random
   subsets of n repetitions a side, with ``regress``'s decision (pooled significantly
-  worse + run-level t-test worse).
+  worse + run-level t-test worse), the run-level test unpaired and paired (``regress`` pairs a
+  repetition's versions from ``stats.PAIRED_MIN_PAIRS`` on).
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def _spread(runs: dict[str, list[RunAnalysis]], slo: dict) -> dict[str, dict]:
     return out
 
 
-def _decide(base, cand, slo) -> dict[str, bool]:
-    """regress's decision per power metric for one draw (one pooled comparison for all of them)."""
-    c = compare_versions(base, cand, slo)
+def _decide(base, cand, slo, paired: bool = False) -> dict[str, bool]:
+    """regress's decision per power metric for one draw (one pooled comparison for all of them);
+    ``paired``: base[k] and cand[k] ran in the same round, as ``regress`` pairs them."""
+    c = compare_versions(base, cand, slo, pairs=[(k, k) for k in range(len(base))] if paired else None)
     both = len(base) >= 2 and len(cand) >= 2
     return {m: bool(c[m]["worse"] and (c[m]["run_level"]["worse"] if both else True)) for m in POWER_METRICS}
 
@@ -89,32 +91,39 @@ def _subsets(size: int, n: int, draws: int, rng) -> list[tuple[int, ...]]:
 
 
 def _power(runs: dict[str, list[RunAnalysis]], slo: dict, draws: int = 40, seed: int = 0) -> list[dict]:
+    """Per n and metric, for the unpaired and the paired run-level test on the same draws: the
+    share of n-repetition draws (the same repetitions of both versions: rounds) in which the change
+    is gated, and of A/A draws in which one version is gated against itself. An A/A draw is n
+    neighbouring repetitions of one version (2m against 2m + 1, each as either side: a pair two
+    slots apart, the later one always on one side, so the machine's drift is in it), both versions."""
     rng = np.random.default_rng(seed)
     base, cand = runs["base"], runs["cand"]
+    size = min(len(base), len(cand))
     rows = []
-    for n in sorted({2, 3, 4, 6, 8, 10, 12, 15, 16, 20, 24, 26, 30, len(base)}):  # up to as many as were recorded
-        if n > len(base) or n > len(cand):
+    for n in sorted({2, 3, 4, 6, 8, 10, 12, 15, 16, 20, 24, 26, 30, 40, size}):  # up to as many as were recorded
+        if n > size:
             continue
-        pick = _subsets(len(base), n, draws, rng)
-        hit = dict.fromkeys(POWER_METRICS, 0)
-        fa = dict.fromkeys(POWER_METRICS, 0)
-        fa_n = 0
-        for s in pick:
-            d = _decide([base[i] for i in s], [cand[j] for j in rng.choice(len(cand), n, replace=False)], slo)
-            for m in POWER_METRICS:
-                hit[m] += d[m]
-            if 2 * n <= len(base):  # A/A: two disjoint draws from one version, both versions
+        pick = _subsets(size, n, draws, rng)
+        aa = _subsets(size // 2, n, draws // 4, rng) if n <= size // 2 else []
+        for paired in (False, True):
+            hit = dict.fromkeys(POWER_METRICS, 0)
+            fa = dict.fromkeys(POWER_METRICS, 0)
+            fa_n = 0
+            for s in pick:
+                d = _decide([base[i] for i in s], [cand[i] for i in s], slo, paired)
+                for m in POWER_METRICS:
+                    hit[m] += d[m]
+            for s in aa:
                 for pool in (base, cand):
-                    rest = [i for i in range(len(pool)) if i not in s]
-                    other = list(rng.choice(rest, n, replace=False))
-                    for x, y in ((s, other), (other, s)):
-                        d = _decide([pool[i] for i in x], [pool[i] for i in y], slo)
+                    early, late = [pool[2 * i] for i in s], [pool[2 * i + 1] for i in s]
+                    for x, y in ((early, late), (late, early)):
+                        d = _decide(x, y, slo, paired)
                         for m in POWER_METRICS:
                             fa[m] += d[m]
-                    fa_n += 2
-        for m in POWER_METRICS:
-            rows.append({"n": n, "metric": m, "draws": len(pick), "detected": hit[m] / len(pick),
-                         "false_alarm": fa[m] / fa_n if fa_n else None, "false_alarm_draws": fa_n})
+                        fa_n += 1
+            for m in POWER_METRICS:
+                rows.append({"n": n, "metric": m, "paired": paired, "draws": len(pick), "detected": hit[m] / len(pick),
+                             "false_alarm": fa[m] / fa_n if fa_n else None, "false_alarm_draws": fa_n})
     return rows
 
 
@@ -158,6 +167,6 @@ def report(out: Path) -> dict:
         res["power"] = _power(runs, slo)
         for r in res["power"]:
             fa = f"{r['false_alarm']:.0%} of {r['false_alarm_draws']}" if r["false_alarm"] is not None else "n/a"
-            print(f"  n={r['n']} {r['metric']:22s} detected {r['detected']:.0%} of {r['draws']} draws; "
-                  f"false alarms {fa}")
+            print(f"  n={r['n']} {r['metric']:22s} {'paired  ' if r['paired'] else 'unpaired'} detected "
+                  f"{r['detected']:.0%} of {r['draws']} draws; false alarms {fa}")
     return res

@@ -50,7 +50,8 @@ def analyse(result: RegressResult) -> None:
                 if not runs[base.label] or not runs[v.label]:
                     continue
                 comp = pooled.compare_versions([r.analysis for r in runs[base.label]],
-                                               [r.analysis for r in runs[v.label]], result.slo)
+                                               [r.analysis for r in runs[v.label]], result.slo,
+                                               pairs=same_round(runs[base.label], runs[v.label]))
                 reps = lambda label, m: cell["versions"][label]["metrics"][m]["per_repetition"]  # noqa: E731
                 cell["comparisons"][v.label] = {
                     m: _gate(m, comp[m], suite.thresholds.get(m), reps(base.label, m), reps(v.label, m),
@@ -72,6 +73,13 @@ def analyse(result: RegressResult) -> None:
         result.exit_status = EXIT_REGRESSION
     else:
         result.exit_status = EXIT_OK
+
+
+def same_round(base: list[PlannedRun], cand: list[PlannedRun]) -> list[tuple[int, int]]:
+    """(i, j) where ``base[i]`` and ``cand[j]`` are the same repetition: ``plan_runs`` runs each
+    repetition's versions one after the other, so the pair shared the machine's state."""
+    at = {r.repetition: j for j, r in enumerate(cand)}
+    return [(i, at[r.repetition]) for i, r in enumerate(base) if r.repetition in at]
 
 
 def _gate(metric: str, comp: dict, threshold: float | None, base_reps: list, cand_reps: list,
@@ -109,15 +117,16 @@ def _gate(metric: str, comp: dict, threshold: float | None, base_reps: list, can
     out = {**comp, "threshold_pct": threshold, "regression_pct": worse_pct, "consistent": consistent,
            "status": status}
     if target_mde_pct:
-        spread = lv.get("spread")
+        paired = bool(lv.get("paired"))
+        spread = lv.get("pair_spread") if paired else lv.get("spread")
         out["target_mde_pct"] = target_mde_pct
-        out["spread_source"] = "measured" if spread is not None else "prior"
+        out["spread_source"] = ("measured, paired" if paired else "measured") if spread is not None else "prior"
         # at the pooled test's alpha (0.01), the stricter of the gate's two tests: measured here, a
         # +13.7% TPOT p50 step at an 8.5% spread was gated in 88% / 92% of draws at 15 / 16
         # repetitions a side, which alpha 0.01 predicts (15) and alpha 0.05 does not (11; measured
         # 70-78% at 10-12); docs/diagnose.md §2.6
         out["repetitions_needed"] = repetitions_needed(spread if spread is not None else RUN_SPREAD.get(metric, 0.1),
-                                                       target_mde_pct, alpha=DEFAULT_RULE.alpha)
+                                                       target_mde_pct, alpha=DEFAULT_RULE.alpha, paired=paired)
     return out
 
 

@@ -23,7 +23,8 @@ estimators above apply unchanged (throughput then has no engine steps to bootstr
 so it is reported but never called significant).
 
 Sensitivity: the run is the unit of run-to-run spread (``compare_versions``): the
-repetitions' values give a t-test between the versions (``run_level``), the measured
+repetitions' values give a t-test between the versions (``run_level``; paired by round from
+``stats.PAIRED_MIN_PAIRS`` rounds on, when the caller says which runs shared one), the measured
 spread and the minimum detectable effect; ``gate`` calls a regression only when the
 pooled test and, with 2+ repetitions a side, the run-level test agree.
 
@@ -132,23 +133,27 @@ def confidence_interval(runs: Sequence[RunAnalysis], metric: str, slo: dict[str,
 
 
 def compare_versions(base: Sequence[RunAnalysis], cand: Sequence[RunAnalysis], slo: dict[str, float],
-                     rule: Rule = DEFAULT_RULE) -> dict[str, dict]:
+                     rule: Rule = DEFAULT_RULE, pairs: Sequence[tuple[int, int]] | None = None) -> dict[str, dict]:
     """metric -> {baseline, candidate, delta_pct, ci_pct, p_value, significant, worse,
     n_baseline, n_candidate, floor_pct, mde_pct, run_se_pct, run_level} for every metric of
     ``METRIC_NAMES`` (diagnose's keys).
 
     The run is the unit of the run-to-run spread: each repetition's value of a metric
     (``headline`` of that repetition) gives ``run_level`` (stats.run_level: a t-test on
-    log values between the versions, the measured spread, the MDE at these repetitions).
-    With at least 2 degrees of freedom that measured spread, not the rule's prior, sets
-    the run-to-run part of the pooled comparison's floor: spread * sqrt(1/ka + 1/kb)."""
+    log values between the versions, the measured spread, the MDE at these repetitions;
+    ``pairs``: (i, j) where ``base[i]`` and ``cand[j]`` ran next to each other, which makes it a
+    paired test from ``stats.PAIRED_MIN_PAIRS`` pairs on). With at least 2 degrees of freedom
+    that measured spread, not the rule's prior, sets the run-to-run part of the pooled
+    comparison's floor: spread * sqrt(1/ka + 1/kb), or the paired test's SE."""
     out: dict[str, dict] = {}
     ka, kb = len(base), len(cand)
     levels = {m: run_level([headline([a], m, slo) for a in base], [headline([b], m, slo) for b in cand],
-                           higher_is_worse=m in _LATENCY) for m in METRIC_NAMES}
+                           higher_is_worse=m in _LATENCY, pairs=pairs) for m in METRIC_NAMES}
 
     def run_se(metric: str, kind: str) -> float:
         lv = levels[metric]
+        if lv["paired"]:
+            return lv["se"]
         measured = lv["spread"] if lv["spread"] is not None and lv["k_baseline"] + lv["k_candidate"] - 2 >= 2 else None
         sd = measured if measured is not None else rule.spread(metric, kind)
         return sd * math.sqrt(1 / max(ka, 1) + 1 / max(kb, 1))

@@ -113,12 +113,15 @@ class RegressResult:
 
 # ---- planning ----------------------------------------------------------------------------------
 def plan_runs(suite: Suite, versions: list[Version], runs_dir: Path) -> list[PlannedRun]:
-    """Every run in execution order: for each repetition, for each cell, every version in turn."""
+    """Every run in execution order: for each repetition, for each cell, every version in turn, the
+    versions' order reversed every other repetition (A B, B A, A B, ...): a machine that drifts one way
+    over a session favours neither version, in the repetitions pooled nor in a repetition's pair
+    (``gate.same_round``)."""
     out = []
     for rep in range(1, suite.repetitions + 1):
         for w in suite.workloads:
             for c in suite.configs:
-                for v in versions:
+                for v in (versions if rep % 2 else versions[::-1]):
                     out.append(PlannedRun(v, w.name, c, rep, runs_dir / v.label / w.name / c / f"rep{rep}"))
     return out
 

@@ -137,3 +137,36 @@ def test_a_median_x_slower_and_x_faster_get_the_same_decision():
     assert up["significant"] and up["worse"], up
     assert down["significant"] and not down["worse"], down
     assert down["delta_pct"] > -probe["floor_pct"]  # a smaller percentage than the floor, the same ratio
+
+
+def test_run_level_pairs_runs_of_one_round():
+    """Runs of one round share the machine's state: from PAIRED_MIN_PAIRS pairs on, the test is on
+    the pairs' log differences (scipy's ttest_rel), which sees a change the machine's drift hides from
+    the two-sample test; fewer pairs, or pairs with a failed run, fall back to or drop out of it."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    from layerscope.diagnose.stats import PAIRED_MIN_PAIRS, run_level
+
+    rng = np.random.default_rng(3)
+    k = 10
+    machine = np.exp(rng.normal(0, 0.20, k))  # a round's machine state: 20 % from round to round
+    base = list(machine * np.exp(rng.normal(0, 0.02, k)))
+    cand = list(machine * 1.08 * np.exp(rng.normal(0, 0.02, k)))  # +8 %
+    pairs = [(i, i) for i in range(k)]
+    unpaired, paired = run_level(base, cand), run_level(base, cand, pairs=pairs)
+    assert not unpaired["paired"] and not unpaired["significant"]  # the 20 % drift hides 8 % from it
+    assert paired["paired"] and paired["worse"] and paired["mde_pct"] < unpaired["mde_pct"] / 3
+    ref = scipy_stats.ttest_rel(np.log(cand), np.log(base))
+    assert paired["p_value"] == pytest.approx(ref.pvalue, rel=1e-6)
+    assert paired["delta_pct"] == pytest.approx(100 * np.expm1(np.mean(np.log(cand) - np.log(base))))
+    assert paired["pair_spread"] == pytest.approx(np.std(np.log(cand) - np.log(base), ddof=1) / np.sqrt(2))
+    # a failed run drops its pair, not the round's other version from the two-sample part
+    holed = base[:2] + [None] + base[3:]
+    r = run_level(holed, cand, pairs=pairs)
+    assert r["paired"] and r["k_baseline"] == k - 1 and r["k_candidate"] == k
+    assert r["p_value"] == pytest.approx(scipy_stats.ttest_rel(np.log(cand[:2] + cand[3:]),
+                                                               np.log(base[:2] + base[3:])).pvalue, rel=1e-6)
+    few = PAIRED_MIN_PAIRS - 1
+    assert not run_level(base[:few], cand[:few], pairs=pairs[:few])["paired"]
+    # an A/A of one version: neighbouring rounds, no change, no verdict
+    aa = run_level(base[0::2], base[1::2], pairs=[(i, i) for i in range(k // 2)])
+    assert not aa["significant"]

@@ -34,18 +34,20 @@ def power_dir(tmp_path_factory):
 def test_power_detects_a_clear_change_and_aa_draws_stay_quiet(power_dir, capsys):
     res = report(power_dir)
     assert res["true_effect"]["tpot_p50_s"] > 15  # the planted step overhead, measured over all runs
-    rows = {(r["n"], r["metric"]): r for r in res["power"]}
-    assert {n for n, _ in rows} == {2, 3, 4, 6}
+    rows = {(r["n"], r["metric"], r["paired"]): r for r in res["power"]}
+    assert {n for n, _, _ in rows} == {2, 3, 4, 6}
     for n in (3, 4, 6):
-        assert rows[(n, "tpot_p50_s")]["detected"] == 1.0, rows[(n, "tpot_p50_s")]
-    for n in (2, 3):  # disjoint A/A draws exist up to half the repetitions
-        r = rows[(n, "tpot_p50_s")]
-        assert r["false_alarm_draws"] > 0 and r["false_alarm"] <= 0.05, r
-    assert rows[(4, "tpot_p50_s")]["false_alarm"] is None
+        for paired in (False, True):
+            assert rows[(n, "tpot_p50_s", paired)]["detected"] == 1.0, rows[(n, "tpot_p50_s", paired)]
+    for n in (2, 3):  # A/A draws of neighbouring repetitions exist up to half the repetitions
+        for paired in (False, True):
+            r = rows[(n, "tpot_p50_s", paired)]
+            assert r["false_alarm_draws"] > 0 and r["false_alarm"] <= 0.05, r
+    assert rows[(4, "tpot_p50_s", False)]["false_alarm"] is None
     # the spread of TPOT p50 is the simulated run factor (3%) plus what 120 requests' medians move
     spread = res["spread"]["tpot_p50_s"]
     assert 1.0 < spread["spread_pct"] < 8.0 and spread["df"] == 10
     assert spread["mde_10_pct"] < spread["mde_5_pct"] < spread["mde_3_pct"] < spread["mde_pair_pct"]
     assert all(r["verdict"] in ("no_change", "environment_changed") for r in res["quiet"]), res["quiet"]
     out = capsys.readouterr().out
-    assert "sensitivity from 6 + 6 runs" in out and "n=6 tpot_p50_s" in out and not math.isnan(spread["mde_3_pct"])
+    assert "sensitivity from 6 + 6 runs" in out and "n=6 tpot_p50_s             paired   detected 100%" in out and not math.isnan(spread["mde_3_pct"])

@@ -54,3 +54,29 @@ def test_sensitivity_lines_state_the_gates_mde():
     [line] = sensitivity_lines(result)
     assert line == ("sensitivity chat/default B: tpot_p50_s MDE 31% (26 reps for 10%, measured spread); "
                     "ttft_p50_s MDE 12%")
+
+
+def test_rounds_pair_the_repetitions_and_size_the_target_on_the_pairs():
+    """regress runs a repetition's versions one after the other: same_round pairs them (a failed run
+    leaves its round unpaired), and with enough pairs the gate's run-level test and --target-mde use
+    the pairs' spread, which a drifting machine's round-to-round 20 % does not inflate."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from layerscope.diagnose.stats import repetitions_needed
+    from layerscope.regressions.gate import same_round
+
+    runs = lambda reps: [SimpleNamespace(repetition=r) for r in reps]  # noqa: E731
+    assert same_round(runs([1, 2, 3, 4]), runs([1, 3, 4])) == [(0, 0), (2, 1), (3, 2)]
+    rng = np.random.default_rng(5)
+    machine = np.exp(rng.normal(0, 0.2, 8))
+    base = list(machine * np.exp(rng.normal(0, 0.02, 8)))
+    cand = list(machine * 1.10 * np.exp(rng.normal(0, 0.02, 8)))
+    lv = run_level(base, cand, pairs=same_round(runs(range(8)), runs(range(8))))
+    comp = {"baseline": 1.0, "candidate": 1.1, "delta_pct": 10.0, "significant": True, "worse": True, "run_level": lv}
+    g = _gate("tpot_p50_s", comp, 5.0, base, cand, target_mde_pct=10.0)
+    assert g["status"] == "regressed" and g["run_level"]["paired"]
+    assert g["spread_source"] == "measured, paired"
+    assert g["repetitions_needed"] == repetitions_needed(lv["pair_spread"], 10.0, alpha=0.01, paired=True)
+    assert g["repetitions_needed"] < repetitions_needed(lv["spread"], 10.0, alpha=0.01) / 4

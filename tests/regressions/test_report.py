@@ -50,7 +50,7 @@ def regressed(tmp_path_factory) -> RegressResult:
 
 def test_plan_interleaves_repetitions(regressed):
     names = [(r.version.label, r.repetition) for r in regressed.runs]
-    assert names == [("base", 1), ("cand", 1), ("base", 2), ("cand", 2), ("base", 3), ("cand", 3)]
+    assert names == [("base", 1), ("cand", 1), ("cand", 2), ("base", 2), ("base", 3), ("cand", 3)]
 
 
 def test_regression_is_gated_and_attributed(regressed):
