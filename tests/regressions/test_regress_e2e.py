@@ -102,9 +102,10 @@ def test_changed_default_fails_the_gate(regressed, results):
     assert "layer **engine.queue**" in md
     assert "| config | max_num_seqs | 64 | 2 | engine.queue | default changed |" in md
     assert "REGRESSED" in proc.stdout and "exit 1" in proc.stdout  # the terminal table
-    # six bundles (2 versions x 3 repetitions), run in interleaved order
+    # six bundles (2 versions x 3 repetitions), interleaved, the order reversed every other repetition
     runs = [(r["version"], r["repetition"]) for r in data["runs"]]
-    assert runs == [(v, k) for k in (1, 2, 3) for v in (data["baseline"], BRANCH)]
+    order = (data["baseline"], BRANCH)
+    assert runs == [(v, k) for k in (1, 2, 3) for v in (order if k % 2 else order[::-1])]
     assert all((Path(r["bundle"]) / "manifest.json").is_file() for r in data["runs"])
 
 
