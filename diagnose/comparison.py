@@ -22,10 +22,11 @@ import pandas as pd
 
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
-from layerscope.diagnose.config_diff import can_move, change_text, config_diff, diff_records, mark_consistency
+from layerscope.diagnose.config_diff import (can_move, change_text, config_diff, diff_records, mark_consistency,
+                                            same_software)
 from layerscope.diagnose.load import Run
 from layerscope.diagnose.machine import (higher_is_worse, machine_diff, machine_json, machine_relevant,
-                                        machine_verdict, unstable)
+                                        machine_verdict, same_software_verdict, unstable)
 from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, against_improvement, beyond_floor, block_means,
                                       compare_quantile, compare_rate, sensitivity)
 from layerscope.diagnose.workload import workload_diff
@@ -159,7 +160,10 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
 
     findings = [f for name in metrics if metrics[name]["significant"] or name in attribute for f in explain(name)]
     verdict = _verdict(metrics, workload_changed)
-    if verdict in ("regression", "improvement") and machine_relevant(env):
+    same = same_software(a.run.manifest, b.run.manifest, cdiff) if verdict in ("regression", "improvement") else None
+    if same:  # nothing of the software differs: no software layer can be the cause
+        verdict, findings = same_software_verdict(metrics, findings, env, causes, same)
+    elif verdict in ("regression", "improvement") and machine_relevant(env):
         # regress (``attribute``) established the change over interleaved repetitions: a machine that
         # varied hit both versions alike there, so only a machine that differed explains it
         verdict, findings = machine_verdict(verdict, metrics, findings, env, causes, cdiff,

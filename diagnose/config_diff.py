@@ -165,6 +165,33 @@ def config_diff(a: Any, b: Any, changed_layers: Iterable[str] | None = None) -> 
     return df
 
 
+def same_software(a: Mapping[str, Any], b: Mapping[str, Any], diff: pd.DataFrame) -> str | None:
+    """Why two runs' software is known to be the same, or None when it is not (or not known).
+
+    ``a``/``b``: the runs' manifests; ``diff``: their ``config_diff``. The same: one git commit,
+    both work trees clean or holding the same uncommitted change (``git_diff_sha``, recorded since
+    2026-12-03; an older dirty bundle is not known to be the same), no config, resolved or version
+    row in the diff, the same injected faults (``load``'s ``injected_digest``: whether, never which) and
+    probe level. Hardware may differ: that is the machine.
+    What the bundle does not record (environment variables outside the config, a checkpoint
+    rewritten at the same path) is not seen."""
+    va, vb = a.get("versions") or {}, b.get("versions") or {}
+    rev = va.get("git_rev")
+    if not rev or rev != vb.get("git_rev"):
+        return None
+    if va.get("git_dirty") is not False or vb.get("git_dirty") is not False:
+        sha = va.get("git_diff_sha")
+        if not (va.get("git_dirty") and vb.get("git_dirty") and sha and sha == vb.get("git_diff_sha")):
+            return None
+    if len(diff) and diff["kind"].isin(["config", "resolved", "version"]).any():
+        return None
+    if a.get("injected_digest") != b.get("injected_digest") or a.get("probes") != b.get("probes"):
+        return None
+    state = "clean" if va.get("git_dirty") is False else f"the same uncommitted change {va['git_diff_sha'][:12]}"
+    return (f"the software is the same in both runs: commit {rev[:10]} ({state}), the same config, faults, "
+            "probes and package versions")
+
+
 def mark_consistency(diff: pd.DataFrame, changed_layers: Iterable[str]) -> pd.DataFrame:
     """Set ``consistent``: does any measured change sit in a layer this entry can move?"""
     changed = set(changed_layers)

@@ -17,12 +17,15 @@ loaded whole (Polars rather than DuckDB: on the 1M-request bundle's 32M collecti
 steps) that started in it (see ``parse_window``).
 
 The manifest handed out has no ``faults`` key: diagnose must find the layer from
-measurements alone, so the injected faults are dropped on load.
+measurements alone, so the injected faults are dropped on load; ``injected_digest`` (a hash of
+them, None without) says only whether two runs ran the same injected code.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 import re
 from functools import cached_property
 from pathlib import Path
@@ -195,6 +198,12 @@ class Run:
         return df[cols]
 
 
+def _digest(obj) -> str | None:
+    if not obj:
+        return None
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def load_run(path: str | Path, window: tuple[int, int] | None = None) -> Run:
     """Open and validate the bundle at ``path`` (a directory); tables are read on first use.
     ``window``: (lo_ns, hi_ns) on the run's monotonic clock (``parse_window``). Raises RunError."""
@@ -203,7 +212,10 @@ def load_run(path: str | Path, window: tuple[int, int] | None = None) -> Run:
     except BundleError as e:
         raise RunError(str(e)) from None
     manifest = dict(bundle.manifest)
-    manifest.pop("faults", None)  # never read by diagnose: it must find the layer from measurements
+    # never read by diagnose: it must find the layer from measurements. Only whether two runs ran the
+    # same injected code is kept, as a digest: a fault wraps the engine's code as a patch would, and a
+    # patch shows as another commit or uncommitted change (config_diff.same_software); which fault, never
+    manifest["injected_digest"] = _digest(manifest.pop("faults", None))
     run = Run(str(bundle.path), manifest, bundle, window)
     try:
         run.requests  # noqa: B018  (validates the request ids now: a bad bundle fails on load)

@@ -311,10 +311,37 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
             out.append(f)
         return verdict, out
     kept = [f for f in findings if f["metric"] not in explained]
+    return "environment_changed", _hardware_findings(explained, metrics, findings, env, causes) + kept
+
+
+def same_software_verdict(metrics: dict, findings: list[dict], env: dict, causes, same: str) -> tuple[str, list[dict]]:
+    """The runs' software is known to be the same (``config_diff.same_software``: one commit, the same
+    uncommitted change if any, config, faults, probes and package versions): no software layer can have
+    changed, so every significant change is the machine's (or a chance the test let through), verdict
+    ``environment_changed``, whether or not the machine evidence caught the difference. A same-code
+    pair had been called a regression of ``engine.output`` (TPOT p50 +40 %, every step phase x1.14-1.9
+    slower) while the probes saw other processes use 0.11 -> 0.21 cores and the yardstick the same:
+    what slowed the VM there (a hypervisor's neighbours, memory bandwidth) is beyond what they see."""
+    sig = [n for n, m in metrics.items() if m["significant"]]
+    lead = [same]
+    if env.get("recorded") and not machine_relevant(env):
+        lead.append("the machine evidence recorded shows no material difference: what differed is beyond what "
+                    "the probes see (a hypervisor's other guests, memory bandwidth, another process's cache use)")
+    hw = _hardware_findings(sig, metrics, findings, env, causes, lead)
+    for f in hw:
+        f["cause"] = (f"the machine or chance, not the software (it is the same): the candidate ran "
+                      f"{'slower' if metrics[f['metric']]['worse'] else 'faster'}")
+    return "environment_changed", hw + [f for f in findings if f["metric"] not in sig]
+
+
+def _hardware_findings(names: list[str], metrics: dict, findings: list[dict], env: dict, causes,
+                       lead: list[str] | None = None) -> list[dict]:
+    """One ``hardware`` finding per metric in ``names``: the machine's evidence, the step phases' ratios
+    (none stands out) and what the layers measured, after the ``lead`` lines."""
     hw = []
     ratios = causes.phase_ratios()
     ratio_text = ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items() if not math.isnan(v))
-    for n in explained:
+    for n in names:
         m = metrics[n]
         measured = [e for f in findings if f["metric"] == n for e in f["evidence"] if e.startswith("measured in")]
         slower = "slower" if m["worse"] else "faster"
@@ -326,12 +353,13 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
                    "cause": f"the machine, not the software: the candidate ran {slower}, the {who or 'machine'} "
                             f"{'was busier' if who else 'varied'} (evidence below), and no software layer changed "
                             "beyond what that explains",
-                   "evidence": env["evidence"] + ([f"per step at equal batch size: {ratio_text} (no phase stands "
-                                                   "out)"] if ratio_text else []) + measured,
+                   "evidence": list(lead or []) + list(env.get("evidence") or []) + (
+                       [f"per step at equal batch size: {ratio_text}" + ("" if lead else " (no phase stands out)")]
+                       if ratio_text else []) + measured,
                    "config_changes": [], "alternatives": [],
                    "_score": abs(m["delta_pct"] or 0) * (1.0 if m["worse"] else 0.01),
                    "_measured": sorted({x for f in findings if f["metric"] == n for x in f["_measured"]})})
-    return "environment_changed", hw + kept
+    return hw
 
 
 # layers a busier or slower machine moves (every step phase, and the queues they feed)

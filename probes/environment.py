@@ -6,6 +6,7 @@ a version would cost seconds); the git revision from the source checkout, if any
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -37,8 +38,21 @@ def git_revision(path: str | Path | None = None) -> tuple[str | None, bool | Non
         return None, None
 
 
+def git_diff_sha(path: str | Path | None = None) -> str | None:
+    """SHA-256 of the checkout's uncommitted change to tracked files (``git diff HEAD``), None when
+    it cannot be read: two dirty runs of one commit ran the same code only if these match."""
+    root = Path(path) if path else Path(__file__).resolve().parent.parent
+    try:
+        d = subprocess.run(["git", "-C", str(root), "diff", "HEAD", "--no-ext-diff", "--binary"],
+                           capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return hashlib.sha256(d.stdout).hexdigest() if d.returncode == 0 else None
+
+
 def versions() -> dict[str, Any]:
-    """layerscope + git rev, python, torch, triton, transformers (None when absent)."""
+    """layerscope + git rev (dirty: the uncommitted change's hash), python, torch, triton,
+    transformers (None when absent)."""
     from layerscope import __version__
 
     rev, dirty = git_revision()
@@ -46,6 +60,7 @@ def versions() -> dict[str, Any]:
         "layerscope": __version__,
         "git_rev": rev,
         "git_dirty": dirty,
+        "git_diff_sha": git_diff_sha() if dirty else None,
         "python": platform.python_version(),
         "torch": _version("torch"),
         "triton": _version("triton"),

@@ -50,3 +50,9 @@ def test_load_run_drops_faults(tmp_path):
 
     run = load_run(generate(SynthSpec(num_requests=10, gateway_delay_s=0.01), tmp_path / "r"))
     assert "faults" not in run.manifest
+    # only whether two runs ran the same injected code survives, as a digest that names nothing
+    same = load_run(generate(SynthSpec(num_requests=10, gateway_delay_s=0.01, seed=1), tmp_path / "s"))
+    other = load_run(generate(SynthSpec(num_requests=10, gateway_delay_s=0.02), tmp_path / "o"))
+    digest = run.manifest["injected_digest"]
+    assert digest == same.manifest["injected_digest"] != other.manifest["injected_digest"]
+    assert "gateway" not in digest and len(digest) == 16
