@@ -168,13 +168,17 @@ def config_diff(a: Any, b: Any, changed_layers: Iterable[str] | None = None) -> 
 def same_software(a: Mapping[str, Any], b: Mapping[str, Any], diff: pd.DataFrame) -> str | None:
     """Why two runs' software is known to be the same, or None when it is not (or not known).
 
-    ``a``/``b``: the runs' manifests; ``diff``: their ``config_diff``. The same: one git commit,
+    ``a``/``b``: the runs' manifests; ``diff``: their ``config_diff``. Only for runs of this project's
+    engine (a resolved config, no ``external`` capture: an external engine's or a client-only bundle
+    records layerscope's own checkout, not the server's software). The same: one git commit,
     both work trees clean or holding the same uncommitted change (``git_diff_sha``, recorded since
     2026-12-03; an older dirty bundle is not known to be the same), no config, resolved or version
     row in the diff, the same injected faults (``load``'s ``injected_digest``: whether, never which) and
     probe level. Hardware may differ: that is the machine.
     What the bundle does not record (environment variables outside the config, a checkpoint
     rewritten at the same path) is not seen."""
+    if a.get("external") or b.get("external") or not a.get("resolved") or not b.get("resolved"):
+        return None  # an engine that is not ours (vLLM, SGLang), or a client's view: its software is not here
     va, vb = a.get("versions") or {}, b.get("versions") or {}
     rev = va.get("git_rev")
     if not rev or rev != vb.get("git_rev"):

@@ -56,7 +56,7 @@ def test_another_commit_or_an_uncommitted_change_leaves_the_layers_to_the_measur
 
 def test_what_counts_as_the_same_software():
     base = {"versions": {"git_rev": "a" * 40, "git_dirty": False, "torch": "2.13.0"}, "probes": "default",
-            "injected_digest": None}
+            "injected_digest": None, "resolved": {"dtype": "float32"}}
     none = pd.DataFrame(columns=["kind"])
     assert same_software(base, dict(base), none).startswith("the software is the same")
     dirty = {**base, "versions": {**base["versions"], "git_dirty": True, "git_diff_sha": "c" * 64}}
@@ -69,8 +69,13 @@ def test_what_counts_as_the_same_software():
     assert same_software(base, {**base, "probes": "full"}, none) is None
     assert same_software(base, dict(base), pd.DataFrame({"kind": ["config"]})) is None  # a config key changed
     assert same_software(base, dict(base), pd.DataFrame({"kind": ["hardware"]})).startswith("the software")
-    unknown = {**base, "versions": {"torch": "2.13.0"}}  # no checkout recorded (an installed wheel, vLLM)
+    unknown = {**base, "versions": {"torch": "2.13.0"}}  # no checkout recorded (an installed wheel)
     assert same_software(unknown, dict(unknown), none) is None
+    # an external engine's capture or a client's bench records layerscope's checkout, not the server's
+    vllm = {**base, "resolved": {}, "external": {"source": "watch"}}
+    assert same_software(vllm, dict(vllm), none) is None
+    client = {**base, "resolved": {}}
+    assert same_software(client, dict(client), none) is None
 
 
 def test_the_uncommitted_change_is_hashed(tmp_path):
