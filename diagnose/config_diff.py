@@ -179,20 +179,18 @@ def same_software(a: Mapping[str, Any], b: Mapping[str, Any], diff: pd.DataFrame
     rewritten at the same path) is not seen."""
     if a.get("external") or b.get("external") or not a.get("resolved") or not b.get("resolved"):
         return None  # an engine that is not ours (vLLM, SGLang), or a client's view: its software is not here
-    va, vb = a.get("versions") or {}, b.get("versions") or {}
-    rev = va.get("git_rev")
-    if not rev or rev != vb.get("git_rev"):
+    # the versions' keys (git_rev, git_dirty, git_diff_sha, packages) are compared by ``diff``: here
+    # only whether the checkout is known at all (a dirty one only by its change's hash)
+    v = a.get("versions") or {}
+    dirty = v.get("git_dirty")
+    if not v.get("git_rev") or dirty is None or (dirty and not v.get("git_diff_sha")):
         return None
-    if va.get("git_dirty") is not False or vb.get("git_dirty") is not False:
-        sha = va.get("git_diff_sha")
-        if not (va.get("git_dirty") and vb.get("git_dirty") and sha and sha == vb.get("git_diff_sha")):
-            return None
     if len(diff) and diff["kind"].isin(["config", "resolved", "version"]).any():
         return None
     if a.get("injected_digest") != b.get("injected_digest") or a.get("probes") != b.get("probes"):
         return None
-    state = "clean" if va.get("git_dirty") is False else f"the same uncommitted change {va['git_diff_sha'][:12]}"
-    return (f"the software is the same in both runs: commit {rev[:10]} ({state}), the same config, faults, "
+    state = f"the same uncommitted change {v['git_diff_sha'][:12]}" if dirty else "clean"
+    return (f"the software is the same in both runs: commit {v['git_rev'][:10]} ({state}), the same config, faults, "
             "probes and package versions")
 
 

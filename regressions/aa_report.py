@@ -23,7 +23,7 @@ import numpy as np
 
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.comparison import compare, slos
-from layerscope.diagnose.stats import DEFAULT_RULE, student_t_ppf, z
+from layerscope.diagnose.stats import DEFAULT_RULE, PAIRED_MIN_PAIRS, student_t_ppf, z
 from layerscope.regressions.pooled import METRIC_NAMES, compare_versions, headline
 
 POWER_METRICS = ("tpot_p50_s", "output_tokens_per_s")
@@ -106,6 +106,9 @@ def _power(runs: dict[str, list[RunAnalysis]], slo: dict, draws: int = 40, seed:
         pick = _subsets(size, n, draws, rng)
         aa = _subsets(size // 2, n, draws // 4, rng) if n <= size // 2 else []
         for paired in (False, True):
+            if paired and n < PAIRED_MIN_PAIRS:  # too few rounds to pair: regress runs the unpaired test
+                rows += [{**r, "paired": True} for r in rows[-len(POWER_METRICS):]]
+                continue
             hit = dict.fromkeys(POWER_METRICS, 0)
             fa = dict.fromkeys(POWER_METRICS, 0)
             fa_n = 0

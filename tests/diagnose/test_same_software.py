@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 
 from layerscope.diagnose.comparison import compare
-from layerscope.diagnose.config_diff import same_software
+from layerscope.diagnose.config_diff import config_diff, same_software
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "recorded_same_code_invisible_machine"
 
@@ -57,25 +57,28 @@ def test_another_commit_or_an_uncommitted_change_leaves_the_layers_to_the_measur
 def test_what_counts_as_the_same_software():
     base = {"versions": {"git_rev": "a" * 40, "git_dirty": False, "torch": "2.13.0"}, "probes": "default",
             "injected_digest": None, "resolved": {"dtype": "float32"}}
-    none = pd.DataFrame(columns=["kind"])
-    assert same_software(base, dict(base), none).startswith("the software is the same")
+    same = lambda a, b: same_software(a, b, config_diff(a, b))  # noqa: E731  (the diff compare() passes)
+    assert same(base, dict(base)).startswith("the software is the same")
     dirty = {**base, "versions": {**base["versions"], "git_dirty": True, "git_diff_sha": "c" * 64}}
-    assert "the same uncommitted change cccccccccccc" in same_software(dirty, dict(dirty), none)
+    assert "the same uncommitted change cccccccccccc" in same(dirty, dict(dirty))
     older = {**base, "versions": {**base["versions"], "git_dirty": True}}  # dirty, before the diff's hash
-    assert same_software(older, dict(older), none) is None
+    assert same(older, dict(older)) is None
     other_diff = {**dirty, "versions": {**dirty["versions"], "git_diff_sha": "d" * 64}}
-    assert same_software(dirty, other_diff, none) is None
-    assert same_software(base, {**base, "injected_digest": "0123456789abcdef"}, none) is None  # a fault on one side
-    assert same_software(base, {**base, "probes": "full"}, none) is None
-    assert same_software(base, dict(base), pd.DataFrame({"kind": ["config"]})) is None  # a config key changed
+    assert same(dirty, other_diff) is None
+    assert same(base, {**base, "versions": {**base["versions"], "git_rev": "b" * 40}}) is None
+    assert same(base, {**base, "injected_digest": "0123456789abcdef"}) is None  # a fault on one side
+    assert same(base, {**base, "probes": "full"}) is None
+    assert same(base, {**base, "config": {"max_num_seqs": 8}}) is None  # a config key changed
+    assert same_software(base, dict(base), pd.DataFrame({"kind": ["config"]})) is None
     assert same_software(base, dict(base), pd.DataFrame({"kind": ["hardware"]})).startswith("the software")
+    assert same(base, {**base, "hardware": {"cpu": "another"}}).startswith("the software")  # the machine's
     unknown = {**base, "versions": {"torch": "2.13.0"}}  # no checkout recorded (an installed wheel)
-    assert same_software(unknown, dict(unknown), none) is None
+    assert same(unknown, dict(unknown)) is None
     # an external engine's capture or a client's bench records layerscope's checkout, not the server's
     vllm = {**base, "resolved": {}, "external": {"source": "watch"}}
-    assert same_software(vllm, dict(vllm), none) is None
+    assert same(vllm, dict(vllm)) is None
     client = {**base, "resolved": {}}
-    assert same_software(client, dict(client), none) is None
+    assert same(client, dict(client)) is None
 
 
 def test_the_uncommitted_change_is_hashed(tmp_path):
