@@ -96,21 +96,82 @@ def kernel_summary(run: Run) -> dict[str, float]:
 
 
 def kernel_op_deltas(base: Run, cand: Run) -> pd.DataFrame:
-    """Median duration per kernel/op name in both runs' profiled windows (medians: a shared
-    machine preempts single op calls).
+    """Per kernel/op name, its duration in both runs' profiled windows (medians: a shared machine
+    preempts single op calls).
+
+    Where both runs profiled steps of both kinds (steps with prompt tokens and decode-only steps),
+    each op is compared at two sizes, the baseline's median batch tokens of each kind (name
+    ``"<op> @<tokens> tok"``): per run, the line through the op's median call at its decode size
+    and at its prefill size, read at the baseline's sizes, so prefills of different lengths in the
+    two runs compare at one size. A fixed time per call and a common factor then predict
+    different deltas (the sizes differ tens of times), where decodes alone show every op at one size.
+    Otherwise one row per name.
 
     Columns: name, count_baseline, count_candidate, baseline_s, candidate_s, delta_s, ratio.
     """
     cols = ["name", "count_baseline", "count_candidate", "baseline_s", "candidate_s", "delta_s", "ratio"]
     if base.kernels.empty or cand.kernels.empty:
         return pd.DataFrame(columns=cols)
-    a = base.kernels.groupby("name")["duration_s"].agg(["count", "median"])
-    b = cand.kernels.groupby("name")["duration_s"].agg(["count", "median"])
-    df = a.merge(b, left_index=True, right_index=True, suffixes=("_b", "_c")).reset_index()
-    df.columns = ["name", "count_baseline", "baseline_s", "count_candidate", "candidate_s"]
+    ca, cb = _op_calls(base), _op_calls(cand)
+    if ca is not None and cb is not None:
+        df = _ops_at_sizes(ca, cb)
+    else:
+        a = base.kernels.groupby("name")["duration_s"].agg(["count", "median"])
+        b = cand.kernels.groupby("name")["duration_s"].agg(["count", "median"])
+        df = a.merge(b, left_index=True, right_index=True, suffixes=("_b", "_c")).reset_index()
+        df.columns = ["name", "count_baseline", "baseline_s", "count_candidate", "candidate_s"]
+    if df.empty:
+        return pd.DataFrame(columns=cols)
     df["delta_s"] = df["candidate_s"] - df["baseline_s"]
     df["ratio"] = df["candidate_s"] / df["baseline_s"].where(df["baseline_s"] > 0)
     return df[cols].sort_values("delta_s", ascending=False).reset_index(drop=True)
+
+
+def _op_calls(run: Run) -> pd.DataFrame | None:
+    """The profiled op calls with their step's batch tokens and kind (``prefill``: the step carried
+    prompt tokens); None unless the windows profiled steps of both kinds."""
+    k = run.kernels[run.kernels["step_id"].notna()]
+    st = run.steps[["step_id", "replica", "num_batched_tokens", "num_prefill_tokens"]]
+    m = k[["step_id", "replica", "name", "duration_s"]].merge(st, on=["step_id", "replica"], how="inner")
+    m = m[m["num_batched_tokens"].notna() & m["num_prefill_tokens"].notna()]
+    if m.empty:
+        return None
+    m = m.assign(prefill=m["num_prefill_tokens"] > 0)
+    return m if m["prefill"].any() and not m["prefill"].all() else None
+
+
+def _ops_at_sizes(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """kernel_op_deltas' rows at the baseline's decode and prefill sizes (both runs' calls from ``_op_calls``)."""
+    def clusters(calls: pd.DataFrame) -> pd.DataFrame:  # per (name, kind): calls, median tokens, median duration
+        g = calls.groupby(["name", "prefill"])
+        return pd.DataFrame({"count": g.size(), "tokens": g["num_batched_tokens"].median(),
+                             "dur": g["duration_s"].median()})
+
+    def at(c: pd.DataFrame, name: str, tokens: float) -> float:
+        """The op's duration at ``tokens``: the line through its two kinds' medians (nan without both)."""
+        try:
+            (t0, d0), (t1, d1) = c.loc[(name, False), ["tokens", "dur"]], c.loc[(name, True), ["tokens", "dur"]]
+        except KeyError:
+            return np.nan
+        if t1 == t0:
+            return float((d0 + d1) / 2)
+        return float(max(d0 + (d1 - d0) * (tokens - t0) / (t1 - t0), 0.0))
+
+    ca, cb = clusters(a), clusters(b)
+    names = sorted(set(ca.index.get_level_values(0)) & set(cb.index.get_level_values(0)))
+    rows = []
+    for name in names:
+        for kind in (False, True):
+            if (name, kind) not in ca.index or (name, kind) not in cb.index:
+                continue
+            tokens = float(ca.loc[(name, kind), "tokens"])
+            base_s = float(ca.loc[(name, kind), "dur"])
+            cand_s = at(cb, name, tokens)
+            if np.isnan(cand_s):  # the candidate's calls of one kind only: compare where both are
+                cand_s = float(cb.loc[(name, kind), "dur"])
+            rows.append((f"{name} @{tokens:.0f} tok", int(ca.loc[(name, kind), "count"]),
+                         int(cb.loc[(name, kind), "count"]), base_s, cand_s))
+    return pd.DataFrame(rows, columns=["name", "count_baseline", "count_candidate", "baseline_s", "candidate_s"])
 
 
 def op_change_kind(deltas: pd.DataFrame, min_delta_s: float = 1e-6, min_ratio: float = 1.2) -> dict:

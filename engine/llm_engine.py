@@ -183,7 +183,7 @@ class LLMEngine:
             return []
         step_id = out.step_id
         time_layers = self.recorder.should_time_layers(step_id)
-        with self.recorder.step_context(step_id):
+        with self.recorder.step_context(step_id, out.scheduled):
             runner_out = self.executor.execute_model(out, time_layers)
         t2 = time.monotonic_ns()
         outputs = self._process_outputs(out, runner_out)

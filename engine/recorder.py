@@ -118,8 +118,9 @@ class Recorder(RunRecorder):
     def on_collectives(self, records: list[CollectiveRecord]) -> None:
         pass
 
-    def step_context(self, step_id: int):
-        """A context manager around one step's model execution (profiler windows)."""
+    def step_context(self, step_id: int, scheduled: list | None = None):
+        """A context manager around one step's model execution (profiler windows); ``scheduled`` is
+        the step's batch (a profiler window may wait for a step with prompt tokens)."""
         return NULL_CONTEXT
 
     # ---- requests that came through a gateway ----

@@ -142,7 +142,13 @@ class _StepRange:
 
 
 class ProfilerWindows:
-    """Opens a torch.profiler window of ``num_steps`` steps every ``every_steps`` steps (at most ``max_windows``)."""
+    """Opens a torch.profiler window of ``num_steps`` steps every ``every_steps`` steps (at most ``max_windows``).
+
+    A window opens on the kind of step (one that carries prompt tokens, or decodes only) the earlier
+    windows saw less of, waiting up to ``4 * every_steps`` steps for one (prompts arrive seconds apart): windows that saw only batch-1
+    decodes show every op at one size, where a fixed time per call and a common factor predict the
+    same deltas (docs/diagnose.md §2.2); a prefill's ops are tens of times larger.
+    """
 
     def __init__(self, trace_dir: Path, replica: int = 0, every_steps: int = 64, num_steps: int = 2,
                  max_windows: int = 4, on_window: Callable[[float], None] | None = None, first_step: int = 2):
@@ -159,6 +165,7 @@ class ProfilerWindows:
         self._in_window = 0
         self._first_step = 0
         self._last_step = 0
+        self.kinds_seen = {True: 0, False: 0}  # windows opened on a step with prompt tokens / decodes only
 
     def warmup(self) -> None:
         """Start and stop an empty profile: the first one loads kineto and imports (seconds), which
@@ -166,15 +173,26 @@ class ProfilerWindows:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
             pass
 
-    def step_context(self, step_id: int):
+    def step_context(self, step_id: int, scheduled=None):
         from layerscope.engine.recorder import NULL_CONTEXT
 
         if self._prof is None:
             if step_id < self._next_start or self.num_windows >= self.max_windows:
                 return NULL_CONTEXT
+            prefill = None if scheduled is None else any(s.is_prefill for s in scheduled)
+            if prefill is not None:
+                want = self._wanted_kind()
+                if want is not None and prefill != want and step_id < self._next_start + 4 * self.every_steps:
+                    return NULL_CONTEXT  # wait (a while) for the kind of step the windows lack
+                self.kinds_seen[prefill] += 1
             self._open(step_id)
         self._last_step = step_id
         return _StepRange(self, step_id)
+
+    def _wanted_kind(self) -> bool | None:
+        """The step kind (True: carries prompt tokens) the windows have seen less of; None when even."""
+        n_pre, n_dec = self.kinds_seen[True], self.kinds_seen[False]
+        return None if n_pre == n_dec else n_pre < n_dec
 
     def _open(self, step_id: int) -> None:
         acts = [torch.profiler.ProfilerActivity.CPU]

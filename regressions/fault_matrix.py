@@ -50,6 +50,10 @@ CASES: tuple[Case, ...] = (
     # (2026-12-02): 16-token outputs and no limit, TTFT p50 -11%; 8 sequences, 48 tokens: +110%,
     # +38%, once not significant; 4 sequences: -4% (the overloaded replica's steps were x0.6 as
     # long: two replicas, the gateway and the client share two cores, and alone it had one).
+    # Tried 2026-12-03: prompts of ~400 tokens (up to 900), 16-token outputs: the run 1.29 -> 1.77 s,
+    # TTFT p50 +21%, tokens/s -22%, none significant in one pair; the loaded replica computed its
+    # tokens 1.26x faster than either replica of the balanced run (a core to itself), which is what
+    # bounds a skew's cost on two cores whatever the prompts. Not kept.
     Case("router.skew", "gateway.route", {"faults": {"router.skew": 0.9}},
          {"replicas": 2, "config": {"num_threads": 1, "max_num_seqs": 8}},
          workload={**BURST, "output_len": 48, "max_output_len": 96}),
@@ -62,7 +66,10 @@ CASES: tuple[Case, ...] = (
     # 0.35 vs 0.20, sizes 0.28: tell?). On 400-900-token prompts, 2 of 4 runs: "5 ops each got
     # about 4.22x slower (spread 0.09 vs 0.39 for a fixed extra time)", kernel.compute; the others
     # can't-tells (ratios 3.8-6.3: an op's median over the 16 calls of the profiler's 8 steps, all
-    # decodes at batch 1, varies 2-5x at these 50-300 us sizes).
+    # decodes at batch 1, varies 2-5x at these 50-300 us sizes). Since 2026-12-03 the profiler's
+    # windows take steps with prompt tokens too and diagnose compares each op at a decode's and a
+    # prefill's size (docs/diagnose.md §2.2): "6 ops each got about 3.24x slower (spread 0.40 vs 1.81
+    # for a fixed extra time)", kernel.compute.
     Case("kernel.slowdown", "kernel.compute", {"faults": {"kernel.slowdown": 4}}, {"profile": "kernels"},
          workload={"input_len": 400, "max_input_len": 900, "rate": 1.5}),
     Case("kernel.launch_gap_us", "kernel.launch_gap", {"faults": {"kernel.launch_gap_us": 400}},
