@@ -10,6 +10,7 @@ engine's metrics made visible and those they did not.
 from __future__ import annotations
 
 import math
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,10 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     verdict = ("workload_changed" if wl_changed and (worse or better) else "regression" if worse else
                "improvement" if better else "no_change")
     env = machine_diff(_MachineView(a), _MachineView(b))
-    if verdict in ("regression", "improvement"):
+    same = same_server_process(a, b, cdiff) if verdict in ("regression", "improvement") else None
+    if same:  # one process served both: its code and config cannot differ
+        verdict, findings = _same_process_verdict(metrics, findings, env, worse or better, same)
+    elif verdict in ("regression", "improvement"):
         verdict, findings = _machine_verdict(verdict, metrics, findings, env, cdiff, worse or better)
     against = against_improvement({k: v for k, v in metrics.items() if decides(k)}, rule, higher_is_worse)
     if verdict == "improvement" and against:  # a trade-off (docs/diagnose.md §2): its cost leads
@@ -224,6 +228,47 @@ class _MachineView:
     def __init__(self, run: ExternalRun):
         section = run.manifest.get("machine")
         self.machine = (None, section if isinstance(section, dict) else None)
+
+
+def same_server_process(a: ExternalRun, b: ExternalRun, cdiff: list[dict]) -> str | None:
+    """Why two external runs' server software is known to be the same, or None: one server process
+    served both (``ExternalRun.server_started`` equal and known: the metrics before and after each run
+    carry the same ``process_start_time_seconds``), the same engine and version, and no config row in
+    the diff. A process cannot change its code or its arguments; its state (caches, memory) can."""
+    ta, tb = a.server_started, b.server_started
+    if ta is None or ta != tb or cdiff or a.engine.get("version") != b.engine.get("version"):
+        return None
+    when = datetime.fromtimestamp(ta, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    engine = " ".join(str(x) for x in (a.family, a.engine.get("version")) if x) or "the server"
+    return (f"one server process served both runs ({engine}, started {when}: process_start_time_seconds the "
+            "same before and after each run): its code and config cannot differ between them")
+
+
+def _same_process_verdict(metrics: dict, findings: list[dict], env: dict, decided: list[str],
+                          same: str) -> tuple[str, list[dict]]:
+    """The external analogue of ``machine.same_software_verdict``: the server is provably the same, so a
+    significant change is the machine's, the process's state or chance, verdict ``environment_changed``,
+    one ``hardware`` finding per metric that decided the verdict. (A CI pair of identical benches of one
+    vLLM process had been a ``regression``, E2E p50 +66 %, blamed on ``hardware`` by elimination, while
+    the client's yardstick measured the same machine: 105 -> 103 ms.)"""
+    lead = [same]
+    if not machine_relevant(env):
+        lead.append("the machine evidence recorded shows no material difference: what differed is beyond what "
+                    "the probes see (the process's state: caches, memory, compiled shapes; the hypervisor's "
+                    "other guests)")
+    hw = []
+    for n in decided:
+        m = metrics[n]
+        slower = "slower" if ((m.get("delta_pct") or 0) > 0) == higher_is_worse(n) else "faster"
+        hw.append({"metric": n, "layer": "hardware", "share": 1.0,
+                   "delta_s": (m["candidate"] - m["baseline"]) if n.endswith("_s") and m.get("candidate") is not None
+                   and m.get("baseline") is not None else None,
+                   "cause": f"the machine, the server's state or chance, not its software (one process served both "
+                            f"runs): the candidate ran {slower}",
+                   "evidence": lead + list(env.get("evidence") or []) +
+                   [e for f in findings if f["metric"] == n for e in f["evidence"]],
+                   "config_changes": [], "alternatives": []})
+    return "environment_changed", hw + [f for f in findings if f["metric"] not in decided]
 
 
 def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, cdiff: list[dict],

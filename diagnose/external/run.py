@@ -120,6 +120,16 @@ class ExternalRun:
         return float(client.get("duration_s") or client.get("duration") or
                      (self.manifest.get("end_ns", 0) - self.manifest.get("start_ns", 0)) / 1e9)
 
+    @property
+    def server_started(self) -> float | None:
+        """When the server process that served the run started (``process_start_time_seconds``, epoch
+        s, which prometheus_client exports by default), where the metrics before and after the run both
+        carry it and agree (one process lived through the run); else None."""
+        vals = [e.total("process_start_time_seconds") for e in (self.before, self.after) if e is not None]
+        if len(vals) != 2 or vals[0] is None or vals[0] != vals[1]:
+            return None
+        return vals[0]
+
     # ---- server side: metrics ---------------------------------------------------------------------
     def name_of(self, concept: str) -> str | None:
         return self.resolved.names.get(concept)

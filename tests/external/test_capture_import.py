@@ -329,3 +329,37 @@ def test_an_external_improvement_with_a_cost_elsewhere_is_mixed(tmp_path):
     assert d["findings"][0]["metric"] == "ttft_p50_s" and d["primary"]["metric"] == "ttft_p50_s"
     # the same improvement without the TTFT cost is an improvement
     assert compare_external(tmp_path / "a-bundle", tmp_path / "c-bundle")["verdict"] == "improvement"
+
+
+def test_one_server_process_serving_both_runs_is_never_a_software_verdict(tmp_path):
+    """Two benches against one vLLM process (its real /metrics texts before and after: the same
+    ``process_start_time_seconds``) whose latencies differ 2.5x: the server's code and config cannot
+    have changed, so the verdict is environment_changed on hardware, its first evidence the process's
+    start. A CI pair of identical benches of one live vLLM process had been a ``regression`` (E2E p50
+    +66 %, Mann-Whitney p = 6e-17) with the client's yardstick the same (105 -> 103 ms). The same
+    benches with the candidate's server restarted in between (another start time) stay a regression."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_bench_json(60, 0.10, 0)))
+    b.write_text(json.dumps(_bench_json(60, 0.25, 1)))
+    before, after = V032 / "metrics_before.prom", V032 / "metrics_after.prom"
+    for f in (a, b):
+        assert main(["import", "vllm-bench", str(f), "--metrics", str(before), str(after)]) == 0
+    d = compare_external(tmp_path / "a-bundle", tmp_path / "b-bundle")
+    assert d["metrics"]["ttft_p50_s"]["significant"] and d["metrics"]["ttft_p50_s"]["worse"]
+    assert d["verdict"] == "environment_changed", d["findings"][:1]
+    assert d["primary"]["layer"] == "hardware" and d["primary"]["metric"] == "ttft_p50_s"
+    lead = d["findings"][0]["evidence"][0]
+    # without a server log the version is not known, the process (and so the engine) is
+    assert lead.startswith("one server process served both runs (vllm, started 2026-12-01 15:28:45 UTC"), lead
+    assert "not its software" in d["findings"][0]["cause"]
+
+    # the candidate's server restarted before its bench: another process, its software not known to be the same
+    restarted = [tmp_path / f"restarted-{n}.prom" for n in ("before", "after")]
+    for src, dst in zip((before, after), restarted):
+        dst.write_text(src.read_text().replace("process_start_time_seconds 1.796138925e+09",
+                                               "process_start_time_seconds 1.796139925e+09"))
+    assert main(["import", "vllm-bench", str(b), "--metrics", *map(str, restarted), "--out",
+                 str(tmp_path / "c-bundle")]) == 0
+    d = compare_external(tmp_path / "a-bundle", tmp_path / "c-bundle")
+    assert d["verdict"] == "regression", d["findings"][:1]
+    assert not any(e.startswith("one server process") for f in d["findings"] for e in f["evidence"])
