@@ -145,9 +145,10 @@ class ProfilerWindows:
     """Opens a torch.profiler window of ``num_steps`` steps every ``every_steps`` steps (at most ``max_windows``).
 
     A window opens on the kind of step (one that carries prompt tokens, or decodes only) the earlier
-    windows saw less of, waiting up to ``4 * every_steps`` steps for one (prompts arrive seconds apart): windows that saw only batch-1
-    decodes show every op at one size, where a fixed time per call and a common factor predict the
-    same deltas (docs/diagnose.md §2.2); a prefill's ops are tens of times larger.
+    windows saw less of, waiting up to ``4 * every_steps`` steps for one (prompts arrive seconds
+    apart): windows that saw only batch-1 decodes show every op at one size, where a fixed time per
+    call and a common factor predict the same deltas (docs/diagnose.md §2.2); a prefill's ops are
+    tens of times larger.
     """
 
     def __init__(self, trace_dir: Path, replica: int = 0, every_steps: int = 64, num_steps: int = 2,

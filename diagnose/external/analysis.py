@@ -256,19 +256,24 @@ def _same_process_verdict(metrics: dict, findings: list[dict], env: dict, decide
         lead.append("the machine evidence recorded shows no material difference: what differed is beyond what "
                     "the probes see (the process's state: caches, memory, compiled shapes; the hypervisor's "
                     "other guests)")
-    hw = []
-    for n in decided:
-        m = metrics[n]
-        slower = "slower" if ((m.get("delta_pct") or 0) > 0) == higher_is_worse(n) else "faster"
-        hw.append({"metric": n, "layer": "hardware", "share": 1.0,
-                   "delta_s": (m["candidate"] - m["baseline"]) if n.endswith("_s") and m.get("candidate") is not None
-                   and m.get("baseline") is not None else None,
-                   "cause": f"the machine, the server's state or chance, not its software (one process served both "
-                            f"runs): the candidate ran {slower}",
-                   "evidence": lead + list(env.get("evidence") or []) +
-                   [e for f in findings if f["metric"] == n for e in f["evidence"]],
-                   "config_changes": [], "alternatives": []})
+    hw = [_hardware_finding(n, metrics[n], "the machine, the server's state or chance, not its software (one process "
+                            f"served both runs): the candidate ran {_slower(n, metrics[n])}",
+                            lead + list(env.get("evidence") or []) +
+                            [e for f in findings if f["metric"] == n for e in f["evidence"]])
+          for n in decided]
     return "environment_changed", hw + [f for f in findings if f["metric"] not in decided]
+
+
+def _slower(name: str, m: dict) -> str:
+    return "slower" if ((m.get("delta_pct") or 0) > 0) == higher_is_worse(name) else "faster"
+
+
+def _hardware_finding(name: str, m: dict, cause: str, evidence: list[str]) -> dict[str, Any]:
+    """A ``hardware`` finding for metric ``name`` (the whole change)."""
+    return {"metric": name, "layer": "hardware", "share": 1.0,
+            "delta_s": (m["candidate"] - m["baseline"]) if name.endswith("_s") and m.get("candidate") is not None
+            and m.get("baseline") is not None else None,
+            "cause": cause, "evidence": evidence, "config_changes": [], "alternatives": []}
 
 
 def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, cdiff: list[dict],
@@ -289,16 +294,12 @@ def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dic
     who = env.get("busier") or env.get("leaning")
     hw = []
     for n in explained:
-        m = metrics[n]
-        slower = "slower" if ((m.get("delta_pct") or 0) > 0) == higher_is_worse(n) else "faster"
+        slower = _slower(n, metrics[n])
         side = who if who is not None and (who == "candidate") == (slower == "slower") else None
-        hw.append({"metric": n, "layer": "hardware", "share": 1.0,
-                   "delta_s": (m["candidate"] - m["baseline"]) if n.endswith("_s") and m.get("candidate") is not None
-                   and m.get("baseline") is not None else None,
-                   "cause": f"the machine, not the server: the candidate ran {slower}, the "
-                            f"{side + ' ' if side else ''}machine {'was slower' if side else 'varied'} (evidence "
-                            "below), and neither the server's config nor its version changed",
-                   "evidence": list(env["evidence"]), "config_changes": [], "alternatives": []})
+        hw.append(_hardware_finding(n, metrics[n], f"the machine, not the server: the candidate ran {slower}, the "
+                                    f"{side + ' ' if side else ''}machine {'was slower' if side else 'varied'} "
+                                    "(evidence below), and neither the server's config nor its version changed",
+                                    list(env["evidence"])))
     return "environment_changed", hw + [f for f in findings if f["metric"] not in explained]
 
 
