@@ -81,7 +81,7 @@ def _check(cmd: list[str], **kw) -> None:
 
 def _env(bin_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET", "PYTEST_CURRENT_TEST")}
+           if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "VIRTUAL_ENV", "TRITON_INTERPRET", "PYTEST_CURRENT_TEST")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["TOKENIZERS_PARALLELISM"] = "false"
     return env
