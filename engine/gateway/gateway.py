@@ -429,11 +429,15 @@ class Gateway:
         return own.result(timeout_s), out
 
     def metrics_text(self) -> bytes:
-        """Prometheus exposition: the gateway's own metrics plus every replica's last snapshot."""
-        from prometheus_client import CollectorRegistry, generate_latest
+        """Prometheus exposition: the gateway's own metrics plus every replica's last snapshot, and the
+        serving process's ``process_*`` families (its start time, CPU seconds, memory), as vLLM's and
+        SGLang's default registries expose them: an external comparison reads the start time to tell
+        that one server process served both runs."""
+        from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
         from layerscope.engine.gateway.exposition import MergedCollector
 
         reg = CollectorRegistry(auto_describe=False)
         reg.register(MergedCollector(self.recorder.metric_families, self.replica_families))
+        reg.register(ProcessCollector(registry=None))
         return generate_latest(reg)

@@ -293,3 +293,10 @@ def test_metrics_exposition_names(server):
     assert {"gateway", "0"} <= replicas  # the gateway's view and the engine's
     routed = {s.labels["replica"] for s in fams["layerscope_router_requests"].samples}
     assert routed == {"0"}
+    # the serving process's own families, as vLLM's default registry has them: its start time is
+    # how an external comparison knows one process served both runs (one value, scrape after scrape)
+    started = fams["process_start_time_seconds"].samples[0].value
+    assert 0 < time.time() - started < 3600
+    again = {f.name: f for f in text_string_to_metric_families(httpx.get(server + "/metrics", trust_env=False).text)}
+    assert again["process_start_time_seconds"].samples[0].value == started
+    assert fams["process_resident_memory_bytes"].samples[0].value > 10e6
