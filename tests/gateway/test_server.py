@@ -282,7 +282,9 @@ def test_stop_string_finishes_and_frees_kv(server, client, model_name):
     assert _wait_for(lambda: _kv(server) == 0.0, 10)
 
 
-def test_metrics_exposition_names(server):
+def test_metrics_exposition_names(server, client, model_name):
+    # one request of its own: the request counters have label sets only once something was served
+    client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=2, temperature=0)
     text = httpx.get(server + "/metrics", trust_env=False).text
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("layerscope_time_to_first_token_seconds", "layerscope_kv_cache_usage_perc",
