@@ -142,6 +142,8 @@ class LayerscopeApp(App[int]):
                 self.post_message(ComparisonReady(error=f"{type(e).__name__}: {e}", opening=opening))
 
     def on_run_opened(self, message: RunOpened) -> None:
+        if message.live is not None:  # --follow: the header first, then the screens, in one handler
+            self.on_live_status(message.live)
         if message.opening != self.opening:
             return
         self.views[message.index] = message.view
@@ -224,8 +226,9 @@ class LayerscopeApp(App[int]):
                 self.post_message(RunFailed(path, f"could not analyse the run: {type(e).__name__}: {e}", opening))
             self.post_message(status)
             return
-        self.post_message(RunOpened(0, view, self.clock() - t0, opening))
-        self.post_message(LiveStatus(status.parts, complete, status.last_part_time, opening, key))
+        # one message: the header's parts and the view read at them change together
+        self.post_message(RunOpened(0, view, self.clock() - t0, opening,
+                                    live=LiveStatus(status.parts, complete, status.last_part_time, opening, key)))
 
     def on_live_status(self, message: LiveStatus) -> None:
         self._checking = False

@@ -13,12 +13,14 @@ if TYPE_CHECKING:  # pandas is imported by the worker, not on the UI thread's st
 class RunOpened(Message):
     """Run number ``index`` (0: baseline or the only run) is loaded and its report computed."""
 
-    def __init__(self, index: int, view: Any, elapsed_s: float, opening: int = 0) -> None:
+    def __init__(self, index: int, view: Any, elapsed_s: float, opening: int = 0,
+                 live: LiveStatus | None = None) -> None:
         super().__init__()
         self.opening = opening  # which App.open_runs call this answers (a later one supersedes it)
         self.index = index
         self.view = view  # layerscope.diagnose.views.RunView
         self.elapsed_s = elapsed_s  # since the app started opening it
+        self.live = live  # --follow: the manifest's status the view was read at (header and view at once)
 
 
 class SummaryReady(Message):
