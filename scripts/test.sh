@@ -4,10 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --system
 export TRITON_INTERPRET=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-# Never import from the working directory: the checkout's source folders sit here under their bare
-# names, and `kernels` is also the PyPI package transformers >= 5.25 imports (hub kernels). layerscope's
-# modules come from the installed package (layerscope.kernels, ...), for pytest and every child.
-export PYTHONSAFEPATH=1
 report=$(mktemp --suffix=.xml)
 rc=0
 # the import contracts (.importlinter) first: a broken contract fails the run (pytest still runs)

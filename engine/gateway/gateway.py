@@ -130,6 +130,9 @@ class Gateway:
         self.probes = recorders.level
         self.model_name = served_model_name or config.model
         self.record = record
+        from prometheus_client import ProcessCollector
+
+        self._process_collector = ProcessCollector(registry=None)  # /metrics' process_* families (made once)
         self.tokenizer = load_gateway_tokenizer(config.model)
         self.admission = self.faults.wrap_admission(
             AdmissionController(config.gateway.max_concurrency, config.gateway.max_queue, self._update_queue_gauges))
@@ -433,11 +436,11 @@ class Gateway:
         serving process's ``process_*`` families (its start time, CPU seconds, memory), as vLLM's and
         SGLang's default registries expose them: an external comparison reads the start time to tell
         that one server process served both runs."""
-        from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+        from prometheus_client import CollectorRegistry, generate_latest
 
         from layerscope.engine.gateway.exposition import MergedCollector
 
         reg = CollectorRegistry(auto_describe=False)
         reg.register(MergedCollector(self.recorder.metric_families, self.replica_families))
-        reg.register(ProcessCollector(registry=None))
+        reg.register(self._process_collector)
         return generate_latest(reg)
