@@ -34,7 +34,8 @@ from layerscope.kernels import resolve_backend
 
 logger = logging.getLogger(__name__)
 
-_REQUEST_ID, _TOKEN_IDS, _IS_PREFILL = attrgetter("request_id"), attrgetter("token_ids"), attrgetter("is_prefill")
+_REQUEST_ID, _IS_PREFILL = attrgetter("request_id"), attrgetter("is_prefill")
+_new_step = tuple.__new__  # StepRecord from the tuple of its fields, in C
 
 
 class LLMEngine:
@@ -191,24 +192,27 @@ class LLMEngine:
 
         rec = self.recorder
         if rec.enabled:  # nothing below runs with probes off
-            # per-request columns by C-level maps, the record built from positional arguments (keywords
-            # cost 3x): this runs every step, and in place (caches cold after the forward) at ~4x its
-            # price in a warm loop
-            scheduled = out.scheduled
-            num_tokens = list(map(len, map(_TOKEN_IDS, scheduled)))
-            num_decode = list(map(_IS_PREFILL, scheduled)).count(False)  # a decode computes one token
+            # per-request columns by C-level calls, the record one tuple (``tuple.__new__``: no Python
+            # __init__): this runs every step, and in place (caches cold after the forward) at ~4x its
+            # price in a warm loop. The scheduler's {request_id: tokens} is in the order it scheduled.
+            nst = out.num_scheduled_tokens
+            num_tokens = list(nst.values())
+            num_decode = list(map(_IS_PREFILL, out.scheduled)).count(False)  # a decode computes one token
             num_batched = sum(num_tokens)
+            request_ids = list(nst)
+            # every scheduled request sampled (a decode step): one list for both (outputs come only from
+            # scheduled requests, so equal counts mean equal sets; the recorder inverts it once)
+            sampled = request_ids if len(outputs) == len(request_ids) else list(map(_REQUEST_ID, outputs))
             rec.on_step(
-                StepRecord(  # StepRecord's fields in order
+                _new_step(StepRecord, (  # StepRecord's fields in order
                     step_id, t0, t3,  # step_id, start_ns, end_ns
                     t1 - t0, runner_out.prepare_ns, runner_out.forward_ns, runner_out.sample_ns, t3 - t2,  # phases
-                    len(scheduled) - num_decode, num_batched - num_decode,  # num_prefill_seqs, num_prefill_tokens
+                    len(num_tokens) - num_decode, num_batched - num_decode,  # num_prefill_seqs, num_prefill_tokens
                     num_decode, num_decode,  # num_decode_seqs, num_decode_tokens
                     sched.num_running, sched.num_waiting, bm.num_free_blocks, bm.num_blocks,
                     sched.num_preemptions - p0, bm.num_prefix_queries - q0, bm.num_prefix_hits - h0,
-                    list(map(_REQUEST_ID, scheduled)), num_tokens,  # request_ids, request_num_tokens
-                    0, list(map(_REQUEST_ID, outputs)),  # replica, sampled_ids (an output per sampled request)
-                ),
+                    request_ids, num_tokens, 0, sampled,  # request_ids, request_num_tokens, replica, sampled_ids
+                )),
                 runner_out.layer_times,
             )
             if runner_out.collectives:

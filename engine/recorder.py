@@ -11,17 +11,20 @@ allocates or formats when probes are off (``NullRecorder``, ``NullRecorders``).
 from __future__ import annotations
 
 import contextlib
-import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Protocol, Sequence
 
 if TYPE_CHECKING:
     from layerscope.engine.request import Request, RequestEvent
 
 
-@dataclass(slots=True)  # no __dict__: one object less per step (allocation, GC) and faster attribute reads
-class StepRecord:
-    """One engine step. Durations in ns, timestamps on the monotonic clock (ns)."""
+class StepRecord(NamedTuple):
+    """One engine step. Durations in ns, timestamps on the monotonic clock (ns).
+
+    A named tuple, not a dataclass: the engine builds one every step, right after the forward pass
+    (caches cold), as ``tuple.__new__(StepRecord, fields)`` (one C call, against a Python
+    ``__init__`` storing 23 attributes), its fields read by C-level getters, and a drain ships it
+    as the plain tuple it is (``tuple(step)``) with nothing to call per step when pickling."""
 
     step_id: int
     start_ns: int
@@ -42,20 +45,10 @@ class StepRecord:
     num_preemptions: int  # in this step
     num_prefix_queries: int  # tokens queried against the prefix cache in this step
     num_prefix_hits: int  # tokens found
-    request_ids: list[str] = field(default_factory=list)  # requests computed in this step
-    request_num_tokens: list[int] = field(default_factory=list)  # their tokens this step
+    request_ids: Sequence[str] = ()  # requests computed in this step
+    request_num_tokens: Sequence[int] = ()  # their tokens this step
     replica: int = 0
-    sampled_ids: list[str] = field(default_factory=list)  # the requests that got a token in this step
-
-    def __reduce__(self):
-        # pickled as the tuple of its fields: a rolling bundle's drain ships ~256 of these per part
-        # from the engine's step loop to the writer process; pickling each one's __dict__ (names
-        # and values) cost 1.5x this
-        return StepRecord, STEP_FIELDS(self)
-
-
-# a StepRecord as the tuple of its fields, StepRecord(*fields) back (pickling, a rolling drain)
-STEP_FIELDS = operator.attrgetter(*StepRecord.__dataclass_fields__)
+    sampled_ids: Sequence[str] = ()  # the requests that got a token in this step
 
 
 @dataclass(slots=True)

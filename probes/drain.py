@@ -25,7 +25,7 @@ def drain_steps(d: dict[str, Any]) -> "list[StepRecord]":
     """A drain's steps as ``StepRecord``s (shipped as tuples of their fields)."""
     from layerscope.engine.recorder import StepRecord  # here: the bundle reader imports this module
 
-    return [StepRecord(*t) for t in d["steps"]]
+    return list(map(StepRecord._make, d["steps"]))
 
 
 def drain_requests(d: dict[str, Any]):

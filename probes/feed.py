@@ -5,7 +5,7 @@ forward pass) cost more than the rest of the recorder, so steps and finished
 requests are fed every ``every_steps`` steps, when the engine goes idle, and before
 any scrape (a collector registered first in the registry flushes). Flushes come
 from the step loop and from scrape threads, hence the lock. A flush does one bulk
-update per histogram: step columns read with one ``attrgetter`` per step, buckets
+update per histogram: step columns read with one ``itemgetter`` per step, buckets
 counted by numpy, the inter-token gaps of every finished request at once (each step's token
 time kept in one array as the steps are fed, so a gap is two array reads).
 """
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from operator import attrgetter
+from itertools import chain
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -24,8 +25,10 @@ from layerscope.contract import FINISH_REASON, tpot_s
 from layerscope.probes.metrics import STEP_PHASES, MetricSet, histogram_parts, observe_many
 from layerscope.probes.requests import first_timestamps
 
+from layerscope.engine.recorder import StepRecord
+
 if TYPE_CHECKING:
-    from layerscope.engine.recorder import CollectiveRecord, StepRecord
+    from layerscope.engine.recorder import CollectiveRecord
 
 
 class Recorded(NamedTuple):
@@ -50,8 +53,10 @@ class RecordSource(Protocol):
 
 _PHASE_NS = tuple(f"{p}_ns" for p in STEP_PHASES)  # StepRecord fields, in STEP_PHASES order
 _OUTPUT = _PHASE_NS.index("output_ns")
-_STEP_COLUMNS = attrgetter(*_PHASE_NS, "num_prefill_tokens", "num_decode_tokens", "num_prefix_queries",
-                           "num_prefix_hits", "num_preemptions", "end_ns")
+_STEP_COLUMNS = itemgetter(*map(StepRecord._fields.index, (*_PHASE_NS, "num_prefill_tokens", "num_decode_tokens",
+                                                          "num_prefix_queries", "num_prefix_hits", "num_preemptions",
+                                                          "end_ns")))
+_NUM_COLUMNS = len(_PHASE_NS) + 6
 _REQUEST_HISTOGRAMS = {
     "queue": "layerscope_request_queue_time_seconds",
     "ttft": "layerscope_time_to_first_token_seconds",
@@ -193,7 +198,8 @@ class MetricsFeed:
         steps, sampled = new.steps, new.num_sampled
         self._flushed += len(steps)
         # one [steps, columns] array (attribute reads in C), then one bulk update per histogram
-        cols = np.array(list(map(_STEP_COLUMNS, steps)), dtype=np.int64).reshape(len(steps), -1)
+        cols = np.fromiter(chain.from_iterable(map(_STEP_COLUMNS, steps)), dtype=np.int64,
+                           count=len(steps) * _NUM_COLUMNS).reshape(len(steps), _NUM_COLUMNS)
         k = len(_PHASE_NS)
         observe_columns(self._phase, cols[:, :k] * 1e-9)
         # a token's time: the end of its step's sampling phase (the step's end minus its output phase)

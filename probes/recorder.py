@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from layerscope.engine.recorder import STEP_FIELDS, CollectiveRecord, Recorder, StepRecord
+from layerscope.engine.recorder import CollectiveRecord, Recorder, StepRecord
 from layerscope.engine.request import event_fields
 from layerscope.probes import schema
 from layerscope.probes.drain import DRAIN_FORMAT, build_request, fill
@@ -226,11 +226,19 @@ class ProbeRecorder(Recorder):
             live, finishing, steps, base = self._live, self._finishing, self._steps, self._step_base
             for idx in range(start, end):
                 step = steps[idx - base]
-                for rid in step.request_ids:
+                ids, sampled = step.request_ids, step.sampled_ids
+                if sampled is ids:  # every request of the step sampled (the engine passes one list)
+                    for rid in ids:
+                        st = live.get(rid) or finishing.get(rid)
+                        if st is not None:
+                            st.step_idx.append(idx)
+                            st.sampled_idx.append(idx)
+                    continue
+                for rid in ids:
                     st = live.get(rid) or finishing.get(rid)
                     if st is not None:
                         st.step_idx.append(idx)
-                for rid in step.sampled_ids:
+                for rid in sampled:
                     st = live.get(rid) or finishing.get(rid)
                     if st is not None:
                         st.sampled_idx.append(idx)
@@ -412,7 +420,7 @@ class ProbeRecorder(Recorder):
             "requests_raw": raw,
             "request_rows": rows,
             "index_base": lo,
-            "steps": list(map(STEP_FIELDS, context)),
+            "steps": list(map(tuple, context)),  # plain tuples: pickled with no call per step
             "coll_ns": {s.step_id: coll[s.step_id] for s in context if s.step_id in coll} if coll else {},
             "layer_times": self._layer_times,
             "collectives": self._collectives,

@@ -36,9 +36,7 @@ def test_finalize_with_gateway_and_client():
               RequestEvent(E.FINISHED, 1270)]
     info = dict(status="finished_stopped", num_prompt_tokens=3, num_cached_tokens=0, num_output_tokens=3,
                 num_preemptions=0, num_recomputed_tokens=0)
-    for s in steps:
-        s.start_ns += 1000
-        s.end_ns += 1000
+    steps = [s._replace(start_ns=s.start_ns + 1000, end_ns=s.end_ns + 1000) for s in steps]
     row, _, _ = engine_row("x", 0, info, events, steps, [0, 1, 2], [0, 1, 2], {})
     row.update(gateway_arrival_ns=900, gateway_admitted_ns=950, gateway_first_token_ns=1100,
                gateway_finished_ns=1300, client_send_ns=880, client_first_token_ns=1110, client_done_ns=1310)
