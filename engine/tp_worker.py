@@ -33,6 +33,7 @@ from layerscope.engine.models.llama import ModelSpec
 from layerscope.engine.parallel.comm import Communicator, Timing, new_process_group
 from layerscope.engine.parallel.context import ParallelContext
 from layerscope.engine.scheduler import ScheduledRequest, SchedulerOutput
+from layerscope.engine.warmup import freeze_startup_heap
 
 
 # ---- messages -------------------------------------------------------------------------
@@ -121,6 +122,7 @@ def worker_main(args: WorkerArgs, conn) -> None:
         pctx = ParallelContext(rank, args.world_size, comm)
         runner = build_model_runner(args.config, args.spec, args.dtype, device, args.backend, args.num_blocks,
                                     args.max_model_len, args.faults, pctx)
+        freeze_startup_heap()
         conn.send(WorkerReady(rank))
         while True:
             msg = conn.recv()

@@ -16,6 +16,7 @@ counters the metrics read are reset. ``LAYERSCOPE_WARMUP=0`` in the environment 
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -70,3 +71,16 @@ def _drain(engine) -> int:
         engine.step()
         n += 1
     return n
+
+
+def freeze_startup_heap() -> int:
+    """Collect, then move every object alive now (torch, transformers, the model, the tokenizer:
+    ~400k tracked objects with the tiny model) into the collector's permanent generation, as vLLM's
+    engine core does at startup (``freeze_gc_heap``). Python's full collection walks every tracked
+    object: under load it stalled a step loop here ~150 ms about every 5 s (two full collections in
+    9,600 tiny steps, 31 us a step amortized), 3 ms frozen. Call once in a process of its own (a
+    replica, a TP worker) when it is ready to serve: frozen objects are still freed by reference
+    counting, only their cycles never are. Returns how many objects the permanent generation holds."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

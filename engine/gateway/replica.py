@@ -75,11 +75,12 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
     try:
         recorder: Recorder = recorders.engine(index, model_name)
         engine = LLMEngine(config, recorder=recorder, faults=faults)
-        from layerscope.engine.warmup import warm_up
+        from layerscope.engine.warmup import freeze_startup_heap, warm_up
 
         warmup = warm_up(engine)  # before "ready": /health is ok only once the engine is warm
         recorder.configure(engine.config, engine.resolved)
         recorder.start()
+        warmup["gc_frozen_objects"] = freeze_startup_heap()
     except Exception as e:  # noqa: BLE001 - reported to the gateway, which refuses to start
         outbox.put(Fatal(f"replica {index} failed to start: {type(e).__name__}: {e}"))
         return

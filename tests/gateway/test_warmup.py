@@ -49,6 +49,8 @@ def test_serve_reports_the_warm_up_and_health_waits_for_it(tiny_model):
         (w,) = gateway.warmup
         assert w["num_steps"] >= 1 + 3 and w["max_decode_batch"] == 3 and w["warmup_s"] > 0
         assert w["prefill_tokens"] == min(gateway.config.max_num_batched_tokens, gateway.max_model_len - 2)
+        # the replica's startup heap (torch, transformers, the model) is out of the full collections' walk
+        assert w["gc_frozen_objects"] > 100_000, w
         assert warmup_line(gateway).startswith("layerscope serve: warmed up in ")
         json.dumps(w)  # crosses the process boundary and goes to the terminal as plain data
     finally:
