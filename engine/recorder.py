@@ -48,7 +48,8 @@ class StepRecord(NamedTuple):
     request_ids: Sequence[str] = ()  # requests computed in this step
     request_num_tokens: Sequence[int] = ()  # their tokens this step
     replica: int = 0
-    sampled_ids: Sequence[str] = ()  # the requests that got a token in this step
+    sampled_ids: Sequence[str] = ()  # the requests that got a token in this step (the engine passes the
+    # request_ids list itself when every request of the step got one: read it, never mutate either)
 
 
 @dataclass(slots=True)

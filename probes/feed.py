@@ -22,10 +22,9 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from layerscope.contract import FINISH_REASON, tpot_s
+from layerscope.engine.recorder import StepRecord
 from layerscope.probes.metrics import STEP_PHASES, MetricSet, histogram_parts, observe_many
 from layerscope.probes.requests import first_timestamps
-
-from layerscope.engine.recorder import StepRecord
 
 if TYPE_CHECKING:
     from layerscope.engine.recorder import CollectiveRecord
@@ -53,10 +52,10 @@ class RecordSource(Protocol):
 
 _PHASE_NS = tuple(f"{p}_ns" for p in STEP_PHASES)  # StepRecord fields, in STEP_PHASES order
 _OUTPUT = _PHASE_NS.index("output_ns")
-_STEP_COLUMNS = itemgetter(*map(StepRecord._fields.index, (*_PHASE_NS, "num_prefill_tokens", "num_decode_tokens",
-                                                          "num_prefix_queries", "num_prefix_hits", "num_preemptions",
-                                                          "end_ns")))
-_NUM_COLUMNS = len(_PHASE_NS) + 6
+_COLUMN_FIELDS = (*_PHASE_NS, "num_prefill_tokens", "num_decode_tokens", "num_prefix_queries", "num_prefix_hits",
+                  "num_preemptions", "end_ns")  # end_ns last: _steps reads cols[:, -1]
+_STEP_COLUMNS = itemgetter(*map(StepRecord._fields.index, _COLUMN_FIELDS))
+_NUM_COLUMNS = len(_COLUMN_FIELDS)
 _REQUEST_HISTOGRAMS = {
     "queue": "layerscope_request_queue_time_seconds",
     "ttft": "layerscope_time_to_first_token_seconds",

@@ -227,21 +227,18 @@ class ProbeRecorder(Recorder):
             for idx in range(start, end):
                 step = steps[idx - base]
                 ids, sampled = step.request_ids, step.sampled_ids
-                if sampled is ids:  # every request of the step sampled (the engine passes one list)
-                    for rid in ids:
-                        st = live.get(rid) or finishing.get(rid)
-                        if st is not None:
-                            st.step_idx.append(idx)
-                            st.sampled_idx.append(idx)
-                    continue
+                same = sampled is ids  # every request of the step sampled: the engine passes one list
                 for rid in ids:
                     st = live.get(rid) or finishing.get(rid)
                     if st is not None:
                         st.step_idx.append(idx)
-                for rid in sampled:
-                    st = live.get(rid) or finishing.get(rid)
-                    if st is not None:
-                        st.sampled_idx.append(idx)
+                        if same:
+                            st.sampled_idx.append(idx)
+                if not same:
+                    for rid in sampled:
+                        st = live.get(rid) or finishing.get(rid)
+                        if st is not None:
+                            st.sampled_idx.append(idx)
             self._indexed = end
             for rid in [rid for rid, st in finishing.items() if st.done_at <= end]:
                 del finishing[rid]
