@@ -54,8 +54,15 @@ CASES: tuple[Case, ...] = (
     # TTFT p50 +21%, tokens/s -22%, none significant in one pair; the loaded replica computed its
     # tokens 1.26x faster than either replica of the balanced run (a core to itself), which is what
     # bounds a skew's cost on two cores whatever the prompts. Not kept.
+    # Since 2026-12-04 both runs' forwards wait 3 ms in one row (model.layer_delay, a sleep: the
+    # replicas of a GPU server wait on their own device, not on the host's CPU), so each replica's
+    # step is ~4.5 ms of which ~1.5 ms CPU and the two no longer trade one core: the skew then costs
+    # what it costs on accelerators (one pair, 5 times: regression, gateway.route, TTFT p50 +68%,
+    # tokens/s -38%, the busiest replica 94% of requests). The delay is in baseline and candidate
+    # alike: the diagnosed change is the skew alone.
     Case("router.skew", "gateway.route", {"faults": {"router.skew": 0.9}},
-         {"replicas": 2, "config": {"num_threads": 1, "max_num_seqs": 8}},
+         {"replicas": 2, "config": {"num_threads": 1, "max_num_seqs": 8},
+          "faults": {"model.layer_delay": "layers.0.mlp:3"}},
          workload={**BURST, "output_len": 48, "max_output_len": 96}),
     Case("engine.step_overhead_ms", "engine.schedule", {"faults": {"engine.step_overhead_ms": 8}}),
     Case("model.layer_delay", "model.forward", {"faults": {"model.layer_delay": "layers.1.mlp:6"}}),
