@@ -164,8 +164,14 @@ class GatewayRecorder(RunRecorder):
     def request_done(self, request: GatewayRequest) -> None:
         """The gateway answered the request (finished, failed or refused)."""
 
+    def replica_drained(self, replica: int, drain: dict[str, Any] | None, stats: Mapping[str, Any]) -> None:
+        """A replica that ships its records (``RecorderFactory.engine(ship_records=True)``) sent ``drain``
+        (its recorder's ``drain()``; None: nothing recorded) and its engine ``stats`` now: feed that
+        replica's metrics here, off its step loop. Drains of one replica come in order."""
+
     def metric_families(self) -> list:
-        """The gateway's own Prometheus families ([] when there are none)."""
+        """The gateway's own Prometheus families, and those it feeds for replicas that ship their records
+        ([] when there are none)."""
         return []
 
 
@@ -174,7 +180,11 @@ class RecorderFactory(Protocol):
 
     level: str  # off | default | full
 
-    def engine(self, replica: int, model_name: str) -> Recorder: ...
+    def engine(self, replica: int, model_name: str, ship_records: bool = False) -> Recorder:
+        """``ship_records``: the recorder's records leave by ``drain()`` alone, pushed to the gateway, whose
+        recorder feeds their metrics (``GatewayRecorder.replica_drained``): a server that keeps no
+        whole-run record."""
+        ...
 
     def gateway(self, model_name: str, keep_requests: bool) -> GatewayRecorder:
         """``keep_requests``: record every request for a bundle (a run; or a server's rolling bundle,
@@ -188,7 +198,7 @@ class NullRecorders:
 
     level: str = "off"
 
-    def engine(self, replica: int, model_name: str) -> Recorder:
+    def engine(self, replica: int, model_name: str, ship_records: bool = False) -> Recorder:
         return Recorder()
 
     def gateway(self, model_name: str, keep_requests: bool) -> GatewayRecorder:

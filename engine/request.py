@@ -89,6 +89,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.arrival_ns = arrival_ns if arrival_ns is not None else time.monotonic_ns()
         self.first_token_ns: int | None = None
+        self.first_scheduled_ns: int | None = None  # its SCHEDULED event's time (probes find its first step by it)
         # filled by the engine only when the sampling params ask for them (outputs.py's shapes)
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None

@@ -200,6 +200,7 @@ class Scheduler:
             if resumed:
                 req.record_event(RequestEventType.RESUMED, now, num_cached_tokens=num_cached)
             else:
+                req.first_scheduled_ns = now
                 req.record_event(RequestEventType.SCHEDULED, now, num_cached_tokens=num_cached)
             self.running.append(req)
             newly_running.append(req)

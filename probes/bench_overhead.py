@@ -3,9 +3,13 @@
     python -m layerscope.probes.bench_overhead [--preset tiny,small | --model DIR] [--requests 480,96]
         [--reps 6] [--levels off,default,rolling] [--drain-every-steps 256]
 
-"rolling" is default probes drained for a rolling bundle every --drain-every-steps steps, the
-drains and their pickling inside the timed region (a serving replica pays both on its engine
-process: ``drain()`` runs on its step loop, the queue pickles what it sends).
+"rolling" is what a serving replica runs (``serve``, ``run`` with a rolling bundle): default probes
+whose records ship (``ProbeRecorder(ship_records=True)``: no metrics fed and no step lists inverted
+on the step loop), drained every --drain-every-steps steps, the drains and their pickling inside
+the timed region (the replica pays both: ``drain()`` runs on its step loop, the queue pickles what
+it sends); what the gateway process then does with them (feeding the replica's Prometheus metrics,
+building rows and spans, writing parts) is outside it, in build_s. "default" is the in-process
+recorder of an offline run (``LLM``, ``run_offline``), which feeds its metrics itself.
 
 One engine per preset; each repetition runs every level once, in an order rotated per
 repetition, with a fresh recorder per run (nothing accumulates across runs). A level's
@@ -71,7 +75,7 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
     probes = "default" if level == "rolling" else level
     rec = Recorder() if level == "off" else ProbeRecorder(
         probes, model_name="bench", layer_timing_interval=interval, trace_dir=trace_dir / f"{level}-{time.time_ns()}",
-        profile_every_steps=64, profile_num_steps=2)
+        profile_every_steps=64, profile_num_steps=2, ship_records=level == "rolling")
     drains: list = []
     if level == "rolling":
         on_step = rec.on_step
@@ -97,17 +101,24 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
     if level != "off":
         rec.stop()
         t1 = time.perf_counter()
-        if level == "rolling":
+        if level == "rolling":  # the gateway's side: the replica's metrics fed, the parts written
+            from prometheus_client import generate_latest
+
+            from layerscope.probes.feed import MetricsFeed
             from layerscope.probes.rolling import RollingBundleWriter
 
             drains.append(pickle.dumps(rec.drain(), protocol=pickle.HIGHEST_PROTOCOL))
+            feed = MetricsFeed(None, "bench", 0, 1, None)
             writer = RollingBundleWriter(trace_dir / f"rolling-{time.time_ns()}", probes="default")
-            for d in drains:
-                writer.add(None, [pickle.loads(d)])  # our own bytes, made just above
+            for b in drains:
+                d = pickle.loads(b)  # our own bytes, made just above
+                feed.feed_drain(d)
+                writer.add(None, [d])
             writer.close()
+            generate_latest(feed.metrics.registry)
         else:
             rec.tables()
-        rec.metrics_text()
+            rec.metrics_text()
         build_s = time.perf_counter() - t1
         rec.shutdown()
     engine.recorder = Recorder()
@@ -136,7 +147,7 @@ def _hook_time(llm, prompts, params, interval: int,
     from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
 
-    rec = ProbeRecorder("default", model_name="bench", layer_timing_interval=interval)
+    rec = ProbeRecorder("default", model_name="bench", layer_timing_interval=interval, ship_records=True)
     spent = dict.fromkeys(_HOOKS, 0)
     calls = dict.fromkeys(_HOOKS, 0)
 

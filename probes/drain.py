@@ -5,7 +5,7 @@ a finished request's engine row and trace are made (``ProbeRecorder`` uses it to
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 
@@ -14,29 +14,76 @@ from layerscope.probes.requests import Phase, engine_row, gateway_phases
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
-DRAIN_FORMAT = "layerscope.recorder-drain/3"  # a replica's raw drain (ProbeRecorder.drain); /2: tuples; /3: steps carry sampled_ids
+DRAIN_FORMAT = "layerscope.recorder-drain/4"  # a replica's raw drain (ProbeRecorder.drain); /2: tuples; /3: steps
+# carry sampled_ids; /4: a shipping replica's requests come without step indices (the reader inverts the steps)
 PART_FORMAT = "layerscope.bundle-part"  # tables as Arrow IPC bytes (an export; the gateway's drain)
 
 if TYPE_CHECKING:
     from layerscope.engine.recorder import StepRecord
 
 
+class Unpacked(NamedTuple):
+    """A replica drain turned back into objects in the process that reads it (``unpack_drain``)."""
+
+    steps: "list[StepRecord]"  # the drain's steps (context first), as StepRecords
+    new_from: int  # steps[new_from:] were not handed out before (step id >= write_from_step_id)
+    # (rid, info, events as RequestEvents, step_idx, sampled_idx into ``steps``, gateway fields, traceparent)
+    requests: list[tuple]
+
+
 def drain_steps(d: dict[str, Any]) -> "list[StepRecord]":
     """A drain's steps as ``StepRecord``s (shipped as tuples of their fields)."""
-    from layerscope.engine.recorder import StepRecord  # here: the bundle reader imports this module
-
-    return list(map(StepRecord._make, d["steps"]))
+    return unpack_drain(d).steps
 
 
-def drain_requests(d: dict[str, Any]):
+def drain_requests(d: dict[str, Any]) -> list[tuple]:
     """A drain's finished requests: (rid, info, events, step_idx, sampled_idx, outer, traceparent),
     events as ``RequestEvent``s and step indices into ``d["steps"]``."""
+    return unpack_drain(d).requests
+
+
+def unpack_drain(d: dict[str, Any]) -> Unpacked:
+    """``d``'s steps and requests as objects, once per drain (kept in ``d``: the gateway's metrics
+    and the bundle writer both read it). A request shipped without step indices (a replica that ships
+    its records: ``ProbeRecorder(ship_records=True)``) gets them here, from inverting the steps'
+    ``request_ids`` / ``sampled_ids``: the drain's steps run from the first step of any request in it."""
+    got = d.get("_unpacked")
+    if got is not None:
+        return got
+    from layerscope.engine.recorder import StepRecord  # here: the bundle reader imports this module
     from layerscope.engine.request import event_from_fields
 
+    steps = list(map(StepRecord._make, d["steps"]))
     base = d["index_base"]
+    reqs = []
+    invert: dict[str, tuple[list[int], list[int]]] = {}
     for rid, info, events, step_idx, sampled_idx, outer, tp in d["requests_raw"]:
         evs = [event_from_fields(*e) for e in events]
-        yield rid, info, evs, [i - base for i in step_idx], [i - base for i in sampled_idx], outer, tp
+        if step_idx is None:
+            step_idx, sampled_idx = invert[rid] = ([], [])
+        else:
+            step_idx, sampled_idx = [i - base for i in step_idx], [i - base for i in sampled_idx]
+        reqs.append((rid, info, evs, step_idx, sampled_idx, outer, tp))
+    if invert:
+        get = invert.get
+        for i, step in enumerate(steps):
+            ids, sampled = step.request_ids, step.sampled_ids
+            same = sampled is ids  # one list when every request of the step sampled (kept by pickling)
+            for rid in ids:
+                lists = get(rid)
+                if lists is not None:
+                    lists[0].append(i)
+                    if same:
+                        lists[1].append(i)
+            if not same:
+                for rid in sampled:
+                    lists = get(rid)
+                    if lists is not None:
+                        lists[1].append(i)
+    wf = d.get("write_from_step_id")
+    new_from = len(steps) if wf is None else next((i for i, s in enumerate(steps) if s.step_id >= wf), len(steps))
+    d["_unpacked"] = got = Unpacked(steps, new_from, reqs)
+    return got
 
 
 def build_request(rid: str, replica_col: int, info: dict[str, Any], events, steps, step_idx, sampled_idx,

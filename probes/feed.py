@@ -110,9 +110,12 @@ class _FlushOnCollect:
 
 class MetricsFeed:
     def __init__(self, registry: CollectorRegistry | None, model_name: str, replica: str | int, every_steps: int,
-                 recorder: RecordSource, lock: "threading.RLock | None" = None):
+                 recorder: RecordSource | None, lock: "threading.RLock | None" = None):
+        """``recorder``: the recorder this feed reads in its process (flushed before any scrape); None for
+        a feed of another process's drains (``feed_drain``: a gateway's feed of a replica)."""
         registry = registry if registry is not None else CollectorRegistry()
-        registry.register(_FlushOnCollect(self, recorder))
+        if recorder is not None:
+            registry.register(_FlushOnCollect(self, recorder))
         self.metrics = m = MetricSet(registry, model_name, replica, scope="replica")
         self.every_steps = max(1, every_steps)
         self._flushed = 0  # steps already fed
@@ -172,7 +175,30 @@ class MetricsFeed:
                 self._steps(recorder.recorded_since(self._flushed, self._layers_flushed))
             if finished:
                 recorder.index_requests()
-                self._requests(finished, recorder)
+                get = recorder.gateway_fields
+                self._requests([(st.rid, st.info, st.events, st.sampled_idx, get(st.rid)) for st in finished],
+                               self._tok_ns, self._tok_base)
+
+    def feed_drain(self, d: dict[str, Any]) -> None:
+        """Feed a replica's ``drain()`` (another process's: ``ProbeRecorder(ship_records=True)``): its new
+        steps and layer times, its finished requests (their inter-token gaps from the drain's steps, which
+        hold every step of each), its collectives and launch-gap ratio. Drains of one replica in order."""
+        from layerscope.probes.drain import unpack_drain
+
+        u = unpack_drain(d)
+        with self._lock:
+            new = u.steps[u.new_from:]
+            if new:
+                self._steps(Recorded(new, sum(len(s.sampled_ids) for s in new), d["layer_times"]), keep_tokens=False)
+            if u.requests:
+                cols = np.fromiter(chain.from_iterable((s.end_ns, s.output_ns) for s in u.steps), dtype=np.int64,
+                                   count=2 * len(u.steps)).reshape(-1, 2)
+                self._requests([(rid, info, evs, sampled, outer) for rid, info, evs, _, sampled, outer, _ in u.requests],
+                               cols[:, 0] - cols[:, 1], 0)
+            if d["collectives"]:
+                self.collectives(d["collectives"])
+            if d.get("launch_gap_ratio") is not None:
+                self.launch_gap_ratio(d["launch_gap_ratio"])
 
     def drop_steps_before(self, index: int) -> None:
         """The recorder dropped its steps before recorded index ``index`` (a drain): no request still to
@@ -193,7 +219,7 @@ class MetricsFeed:
         self._tok_len = n
 
     # ---- feeding ----
-    def _steps(self, new: Recorded) -> None:
+    def _steps(self, new: Recorded, keep_tokens: bool = True) -> None:
         steps, sampled = new.steps, new.num_sampled
         self._flushed += len(steps)
         # one [steps, columns] array (attribute reads in C), then one bulk update per histogram
@@ -202,7 +228,8 @@ class MetricsFeed:
         k = len(_PHASE_NS)
         observe_columns(self._phase, cols[:, :k] * 1e-9)
         # a token's time: the end of its step's sampling phase (the step's end minus its output phase)
-        self._add_token_times(cols[:, -1] - cols[:, _OUTPUT])  # end_ns is the last column
+        if keep_tokens:
+            self._add_token_times(cols[:, -1] - cols[:, _OUTPUT])  # end_ns is the last column
         observe_array(self._batch, (cols[:, k] + cols[:, k + 1]).astype(np.float64))
         queries, hits, preempt = (int(v) for v in cols[:, k + 2:k + 5].sum(axis=0))
         if queries:
@@ -228,19 +255,19 @@ class MetricsFeed:
             observe_many(child, values)
         self._layers_flushed += len(new.layer_times)
 
-    def _requests(self, finished: list, recorder: RecordSource) -> None:
-        """Request-level metrics of finished requests, one bulk update per histogram."""
+    def _requests(self, finished: list[tuple], tok_ns: np.ndarray, tok_base: int) -> None:
+        """Request-level metrics of finished requests, one bulk update per histogram: ``finished`` as
+        (request id, info, events, sampled step indices, gateway fields or None); ``tok_ns[i - tok_base]``
+        the token time of step index i."""
         vals: dict[str, list[float]] = {k: [] for k in _REQUEST_HISTOGRAMS if k != "itl"}
         success: dict[str, int] = {}
         prompt_tokens = 0
         itl_idx: list[int] = []  # the steps that sampled each request's 2nd..last token, requests one after another
         itl_first: list[int] = []  # each such request's first-token time (ns)
         itl_len: list[int] = []  # and how many of itl_idx are its
-        for st in finished:
-            info = st.info
-            ev = first_timestamps(st.events)
+        for _rid, info, events, sampled_idx, outer in finished:
+            ev = first_timestamps(events)
             arrival, sched, first, fin = ev.get("arrival"), ev.get("scheduled"), ev.get("first_token"), ev.get("finished")
-            outer = recorder.gateway_fields(st.rid)
             # server-side latencies run from the gateway arrival when the gateway told us about it
             start = outer["gateway_arrival_ns"] if outer and outer.get("gateway_arrival_ns") else arrival
             reason = FINISH_REASON.get(info["status"], "abort")
@@ -262,24 +289,24 @@ class MetricsFeed:
             n = info["num_output_tokens"]
             if n >= 2:
                 vals["tpot"].append(tpot_s(e2e, ttft, n))
-                if len(st.sampled_idx) > 1:
-                    itl_idx += st.sampled_idx[1:]
+                if len(sampled_idx) > 1:
+                    itl_idx += sampled_idx[1:]
                     itl_first.append(first)
-                    itl_len.append(len(st.sampled_idx) - 1)
+                    itl_len.append(len(sampled_idx) - 1)
         for key, values in vals.items():
             if values:
                 observe_array(self._req[key], np.array(values, dtype=np.float64))
         if itl_idx:
-            self._itl(itl_idx, itl_first, itl_len)
+            self._itl(itl_idx, itl_first, itl_len, tok_ns, tok_base)
         for reason, n in success.items():
             self.metrics.child("layerscope_request_success_total", reason).inc(n)
         if prompt_tokens:
             self._prompt.inc(prompt_tokens)
 
-    def _itl(self, idx: list[int], first_ns: list[int], lengths: list[int]) -> None:
+    def _itl(self, idx: list[int], first_ns: list[int], lengths: list[int], tok_ns: np.ndarray, tok_base: int) -> None:
         """Inter-token gaps of requests, from the steps that sampled their tokens: a token's time is the
         end of its step's sampling phase, the first token's its FIRST_TOKEN event; a gap below 0 counts 0."""
-        t = self._tok_ns[np.asarray(idx, dtype=np.int64) - self._tok_base]
+        t = tok_ns[np.asarray(idx, dtype=np.int64) - tok_base]
         prev = np.empty_like(t)
         prev[1:] = t[:-1]
         lens = np.asarray(lengths, dtype=np.int64)

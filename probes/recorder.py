@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_right
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -50,15 +52,18 @@ from layerscope.probes.tables import collectives_table, layers_table, rows_table
 from layerscope.probes.tracing import RequestTracer
 
 LEVELS = ("off", "default", "full")
+_START_NS = itemgetter(StepRecord._fields.index("start_ns"))
 
 
 class _Req:
     """What the recorder keeps about one request."""
 
-    __slots__ = ("rid", "events", "step_idx", "sampled_idx", "info", "row", "trace_id", "done_at")
+    __slots__ = ("rid", "events", "step_idx", "sampled_idx", "info", "row", "trace_id", "done_at", "req", "first_ns")
 
     def __init__(self, req):
         self.rid: str = req.request_id
+        self.req = req  # while live: a drain that ships its records reads when it was first scheduled
+        self.first_ns: int | None = None  # when finished: its first scheduling (its first step's time)
         self.events: list = []
         # the recorded indices of the steps it took part in / got a token in: filled by index_requests(), in batches
         self.step_idx: list[int] = []
@@ -87,7 +92,13 @@ class ProbeRecorder(Recorder):
         pyspy: bool = True,
         pyspy_rate: int = 100,
         metrics_every_steps: int = 256,
+        ship_records: bool = False,
     ):
+        """``ship_records``: this replica's records leave by ``drain()`` alone, to a process that feeds
+        their Prometheus metrics and builds their rows there (a serving replica's, whose gateway does:
+        ``serving.GatewayProbeRecorder.replica_drained``); the step loop then feeds no metrics and
+        inverts no step lists (the drain finds each request's steps by its first scheduling's time).
+        Not with an OTLP exporter, which wants each request's spans from this process as it finishes."""
         if level not in LEVELS:
             raise ValueError(f"probes level must be one of {', '.join(LEVELS)}; got {level!r}")
         self.level = level
@@ -127,12 +138,16 @@ class ProbeRecorder(Recorder):
             self.metrics = None
             self.tracer = None
             return
+        self.tracer = RequestTracer("layerscope", replica, otlp)
+        self.ships = ship_records and replica != GATEWAY_REPLICA and not self.tracer.otlp
+        self._gap: float | None = None  # the last profiler window's launch-gap ratio, for the next drain (ships)
         if replica == GATEWAY_REPLICA:  # no engine steps here: the gateway's metrics, no feed
             self.metrics = create_metrics(registry, model_name, replica, scope="gateway")
+        elif self.ships:  # the metrics are fed where the drains land
+            self.metrics = None
         else:
             self._feed = MetricsFeed(registry, model_name, replica, metrics_every_steps, self, self._lock)
             self.metrics = self._feed.metrics
-        self.tracer = RequestTracer("layerscope", replica, otlp)
         if level == "full":
             import tempfile
 
@@ -202,15 +217,15 @@ class ProbeRecorder(Recorder):
         if not self.enabled:
             return
         # nothing per request here: index_requests() inverts the steps' request lists in batches
-        idx = self._step_base + len(self._steps)
         self._steps.append(step)
-        self._sampled.append(len(step.sampled_ids))
         if layer_times:
             self._layer_times.append((step.step_id, layer_times))
         feed = self._feed
-        if feed is not None and (idx + 1 - feed._flushed >= feed.every_steps
-                                 or not (step.num_running or step.num_waiting)):
-            feed.flush(self)  # every every_steps steps, and when the engine goes idle
+        if feed is not None:
+            self._sampled.append(len(step.sampled_ids))
+            if (self._step_base + len(self._steps) - feed._flushed >= feed.every_steps
+                    or not (step.num_running or step.num_waiting)):
+                feed.flush(self)  # every every_steps steps, and when the engine goes idle
 
     def index_requests(self) -> None:
         """Each request's ``step_idx`` / ``sampled_idx`` from the steps recorded since the last call (the
@@ -267,7 +282,9 @@ class ProbeRecorder(Recorder):
         if st is None:
             return
         st.done_at = self.num_steps
-        self._finishing[st.rid] = st  # before it leaves _live: index_requests() on a scrape thread finds it in one
+        st.first_ns, st.req = request.first_scheduled_ns, None
+        if not self.ships:  # before it leaves _live: index_requests() on a scrape thread finds it in one
+            self._finishing[st.rid] = st
         del self._live[st.rid]
         st.info = {
             "status": request.status.value,
@@ -322,6 +339,8 @@ class ProbeRecorder(Recorder):
         """
         if not self.enabled:
             return []
+        if self.ships:
+            raise RuntimeError("this recorder ships its records (ship_records=True): they leave by drain() alone")
         coll = self._coll_ns
         self.index_requests()
         rows: dict[str, dict[str, Any]] = {}
@@ -378,22 +397,29 @@ class ProbeRecorder(Recorder):
         """
         if not self.enabled:
             return None
-        self.flush_metrics()  # the metrics feed has what it reads of the steps before they go
-        self.index_requests()
-        coll = self._coll_ns
         done, self._done = self._done, []
         end = self.num_steps
         base = self._step_base
-        lo = min([self._steps_drained, end] + [st.step_idx[0] for st in done if st.row is None and st.step_idx])
         raw, rows = [], []
-        for st in done:
-            outer = self._outer.pop(st.rid, None)
-            tp = self._traceparents.pop(st.rid, None)
-            if st.row is not None:  # built already (OTLP wants spans at once)
-                rows.append(fill(dict(st.row), outer or {}))
-            else:
-                raw.append((st.rid, st.info, list(map(event_fields, st.events)), st.step_idx, st.sampled_idx,
-                            outer, tp))
+        if self.ships:  # no step lists inverted here: the drain's reader does (drain.unpack_drain)
+            first = [self._step_at(st.first_ns) for st in done if st.first_ns is not None]
+            for st in done:
+                raw.append((st.rid, st.info, list(map(event_fields, st.events)), None, None,
+                            self._outer.pop(st.rid, None), self._traceparents.pop(st.rid, None)))
+        else:
+            self.flush_metrics()  # the metrics feed has what it reads of the steps before they go
+            self.index_requests()
+            first = [st.step_idx[0] for st in done if st.row is None and st.step_idx]
+            for st in done:
+                outer = self._outer.pop(st.rid, None)
+                tp = self._traceparents.pop(st.rid, None)
+                if st.row is not None:  # built already (OTLP wants spans at once)
+                    rows.append(fill(dict(st.row), outer or {}))
+                else:
+                    raw.append((st.rid, st.info, list(map(event_fields, st.events)), st.step_idx, st.sampled_idx,
+                                outer, tp))
+        lo = min([self._steps_drained, end] + first)
+        coll = self._coll_ns
         # gateway fields of requests this replica never ran (refused by the engine): one drain's grace
         unknown = {rid for rid in self._outer if rid not in self._live}
         for rid in unknown & self._stale:
@@ -423,9 +449,15 @@ class ProbeRecorder(Recorder):
             "collectives": self._collectives,
             "kernels": list(self.profiler.rows) if self.profiler is not None else [],
             "spans": list(spans),
+            "launch_gap_ratio": self._gap,  # the last profiler window's since the last drain (None: none)
         }
+        self._gap = None
         # drop what was handed out: steps before the first one a live request took part in
-        keep = min([st.step_idx[0] for st in self._live.values() if st.step_idx] + [end])
+        if self.ships:
+            live = [st.req.first_scheduled_ns for st in self._live.values() if st.req.first_scheduled_ns is not None]
+            keep = self._step_at(min(live)) if live else end
+        else:
+            keep = min([st.step_idx[0] for st in self._live.values() if st.step_idx] + [end])
         with self._lock:
             del self._steps[:keep - base]
             del self._sampled[:keep - base]
@@ -444,6 +476,11 @@ class ProbeRecorder(Recorder):
         del spans[:]
         return out
 
+    def _step_at(self, ts_ns: int) -> int:
+        """The recorded index of the step that ran at ``ts_ns`` (the last one started by then): a
+        request's first step from its first scheduling's time, which its step's schedule phase took."""
+        return self._step_base + max(bisect_right(self._steps, ts_ns, key=_START_NS) - 1, 0)
+
     def metrics_text(self) -> str:
         """The Prometheus exposition of this recorder's registry ('' when off)."""
         if self.metrics is None:
@@ -460,6 +497,7 @@ class ProbeRecorder(Recorder):
         return sorted(p for p in self.trace_dir.iterdir() if p.is_file())
 
     def _on_window(self, ratio: float) -> None:
+        self._gap = ratio
         if self._feed is not None:
             self._feed.launch_gap_ratio(ratio)
 

@@ -256,7 +256,9 @@ class RollingBundleWriter:
                 new["steps"].append(steps.filter(pc.greater_equal(steps["step_id"], wf)))
             spans = tables.get("spans", schema.SPANS.empty_table())
             kv = spans.filter(pc.equal(spans["layer"], "engine.kv")) if spans.num_rows else spans
-            self._context.setdefault(rep, deque(maxlen=self.wait_parts + 1)).append((steps, kv, k))
+            # not capped by count: a part may hold many drains of a replica (one per metrics push);
+            # _prune_context keeps those of the parts a waiting row needs, and the newest part's
+            self._context.setdefault(rep, deque()).append((steps, kv, k))
         for name in ("layers", "kernels", "collectives", "spans"):
             if name in tables and tables[name].num_rows:
                 new[name].append(tables[name])

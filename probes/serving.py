@@ -18,6 +18,7 @@ from layerscope.contract import FINISH_REASON
 from layerscope.probes import schema
 from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
 from layerscope.probes.drain import make_drain
+from layerscope.probes.feed import MetricsFeed
 from layerscope.probes.recorder import LEVELS, ProbeRecorder
 from layerscope.probes.requests import gateway_phases
 from layerscope.probes.tables import rows_table
@@ -42,10 +43,11 @@ class ProbeRecorders:
     level: str = "default"
     options: dict[str, Any] = field(default_factory=dict)
 
-    def engine(self, replica: int, model_name: str) -> Recorder:
+    def engine(self, replica: int, model_name: str, ship_records: bool = False) -> Recorder:
         if self.level == "off":
             return EngineMetricsRecorder(model_name, replica)
-        return ProbeRecorder(self.level, replica=replica, model_name=model_name, **self.options)
+        return ProbeRecorder(self.level, replica=replica, model_name=model_name,
+                             **{"ship_records": ship_records, **self.options})
 
     def gateway(self, model_name: str, keep_requests: bool) -> "GatewayProbeRecorder":
         return GatewayProbeRecorder(model_name, keep_requests and self.level != "off")
@@ -116,6 +118,7 @@ class GatewayProbeRecorder(ProbeRecorder, GatewayRecorder):
         m = self.metrics
         self._queue_length = m.child("layerscope_gateway_queue_length")
         self._inflight = m.child("layerscope_gateway_inflight_requests")
+        self._replica_feeds: dict[int, MetricsFeed] = {}  # replicas that ship their records: their metrics, fed here
 
     def gateway_begin(self, request_id: str, arrival_ns: int | None = None, traceparent: str | None = None) -> str:
         """The gateway got ``request_id``: open its root span; return the traceparent to hand to the replica."""
@@ -185,8 +188,25 @@ class GatewayProbeRecorder(ProbeRecorder, GatewayRecorder):
             if request.e2e_s is not None:
                 m.child("layerscope_e2e_request_latency_seconds").observe(request.e2e_s)
 
+    def replica_drained(self, replica: int, drain: dict[str, Any] | None, stats: Mapping[str, Any]) -> None:
+        """Feed replica ``replica``'s metrics from its drain, as its own recorder would have in its process
+        (same metric set, ``replica`` label); the engine gauges from ``stats``. Runs on the replica's
+        reader thread; the feed's lock guards it against a scrape."""
+        feed = self._replica_feeds.get(replica)
+        if feed is None:
+            feed = self._replica_feeds[replica] = MetricsFeed(None, self.model_name, replica, 1, None)
+        if drain is not None:
+            feed.feed_drain(drain)
+        if stats:
+            with feed._lock:
+                feed.engine_state(stats)
+
     def metric_families(self, stats=None) -> list:
-        return list(self.metrics.registry.collect())
+        fams = list(self.metrics.registry.collect())
+        for feed in list(self._replica_feeds.values()):
+            with feed._lock:
+                fams += feed.metrics.registry.collect()
+        return fams
 
     def drain(self) -> dict[str, Any] | None:
         """The requests the gateway answered since the last drain (their gateway fields and trace id)

@@ -27,6 +27,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -138,7 +139,14 @@ class Gateway:
             AdmissionController(config.gateway.max_concurrency, config.gateway.max_queue, self._update_queue_gauges))
         self.router = self.faults.wrap_router(Router(config.router_policy, num_replicas, config.block_size),
                                               seed=config.seed)
-        self.replicas = [ReplicaClient(i, config, self.faults, recorders, self.model_name)
+        # a server (no whole-run record) with probes: each replica's records leave it with every metrics
+        # push, as its recorder's drain(); this process feeds their metrics (its recorder's
+        # replica_drained) and keeps the drains for a rolling bundle: the replicas' step loops feed none
+        self.ships = recorders.level != "off" and not record
+        self._keep_drains = rolling and self.ships
+        self._pending_drains: list[list[Any]] = [[] for _ in range(num_replicas)]
+        self._drains_lock = threading.Lock()
+        self.replicas = [ReplicaClient(i, config, self.faults, recorders, self.model_name, ship_records=self.ships)
                          for i in range(num_replicas)]
         self.num_in_flight = [0] * num_replicas
         self.records: list[GatewayRecord] = []
@@ -344,14 +352,22 @@ class Gateway:
         if isinstance(msg, MetricsSnapshot):
             self.replica_families[idx] = msg.families
             self.replica_stats[idx] = msg.stats
+            if self.ships:
+                try:
+                    self.recorder.replica_drained(idx, msg.drain, msg.stats)
+                except Exception:  # noqa: BLE001 - a drain the metrics could not take is still kept
+                    logger.exception("replica %d: feeding the metrics of its drain failed", idx)
+                if msg.drain is not None and self._keep_drains:
+                    with self._drains_lock:
+                        self._pending_drains[idx].append(msg.drain)
         elif isinstance(msg, Records):
             fut = self._collect.pop(idx, None)
             if fut is not None:
                 fut.set_result(msg.export)
         elif isinstance(msg, Drained):
             fut = self._drain.pop(idx, None)
-            if fut is not None:
-                fut.set_result(msg.export)
+            if fut is not None:  # a shipping replica's drain came just before, with a push
+                fut.set_result(self._take_drains(idx) if self.ships else msg.export)
         elif self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, idx, msg)
@@ -360,10 +376,12 @@ class Gateway:
         if isinstance(msg, (Fatal, Exited)):
             if not self._stopping:
                 logger.error("%s", msg.message if isinstance(msg, Fatal) else f"replica {idx} exited")
-            for futs in (self._collect, self._drain):
-                fut = futs.pop(idx, None)
-                if fut is not None:
-                    fut.set_result(None)
+            fut = self._collect.pop(idx, None)
+            if fut is not None:
+                fut.set_result(None)
+            fut = self._drain.pop(idx, None)
+            if fut is not None:
+                fut.set_result(self._take_drains(idx) if self.ships else None)
 
     def _dispatch(self, idx: int, msg: object) -> None:
         """Runs on the event loop."""
@@ -400,10 +418,17 @@ class Gateway:
                 logger.warning("replica %d sent no records within %.0f s", i, timeout_s)
         return out
 
+    def _take_drains(self, idx: int) -> list[Any]:
+        with self._drains_lock:
+            got, self._pending_drains[idx] = self._pending_drains[idx], []
+        return got
+
     def drain_records(self, timeout_s: float = 60.0) -> tuple[Any, list[Any]]:
         """What every recorder has done since the last drain, dropped from their memory: the gateway
-        recorder's ``drain()`` (taken on the event loop, which owns it) and each replica's (None where
-        probes are off or the replica is gone). Call from a non-loop thread (the rolling bundle's)."""
+        recorder's ``drain()`` (taken on the event loop, which owns it) and the replicas' drains, in
+        order (each replica's ``drain()``, None where probes are off or the replica is gone; where the
+        replicas ship their records, every drain they pushed since, the last one asked for now). Call
+        from a non-loop thread (the rolling bundle's)."""
         futs = {}
         for r in self.replicas:
             if r.alive:
@@ -429,6 +454,8 @@ class Gateway:
             except concurrent.futures.TimeoutError:
                 self._drain.pop(i, None)
                 logger.warning("replica %d sent no drained records within %.0f s", i, timeout_s)
+        if self.ships:  # a list per replica (a gone one's last pushes too): one flat list, each replica's in order
+            out = [d for i in range(len(self.replicas)) for d in (out[i] or []) + self._take_drains(i)]
         return own.result(timeout_s), out
 
     def metrics_text(self) -> bytes:

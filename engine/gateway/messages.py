@@ -90,8 +90,9 @@ class RequestError:
 
 @dataclass
 class MetricsSnapshot:
-    families: list  # Prometheus metric families of the replica's recorder ([] with probes off)
+    families: list  # Prometheus metric families of the replica's recorder ([] with probes off, or shipping)
     stats: dict[str, Any]  # LLMEngine.stats()
+    drain: dict[str, Any] | None = None  # a shipping replica's recorder drain() (the gateway feeds its metrics)
 
 
 @dataclass

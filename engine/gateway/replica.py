@@ -61,8 +61,10 @@ def _delta(out) -> TokenDelta:
 
 
 def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory, model_name: str,
-                 inbox, outbox) -> None:
-    """Entry point of a replica process: load the engine, then serve the inbox until shutdown."""
+                 inbox, outbox, ship_records: bool = False) -> None:
+    """Entry point of a replica process: load the engine, then serve the inbox until shutdown.
+    ``ship_records``: every metrics push carries the recorder's ``drain()`` (the gateway feeds the
+    metrics from it and keeps it for a rolling bundle) instead of the recorder's metric families."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Ctrl-C reaches the whole process group: the gateway stops us. SIGTERM (to us or the
     # group) ends the loop cleanly.
@@ -73,7 +75,7 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
     from layerscope.engine.sampling_params import InvalidRequestError
 
     try:
-        recorder: Recorder = recorders.engine(index, model_name)
+        recorder: Recorder = recorders.engine(index, model_name, ship_records=ship_records)
         engine = LLMEngine(config, recorder=recorder, faults=faults)
         from layerscope.engine.warmup import freeze_startup_heap, warm_up
 
@@ -85,8 +87,20 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
         outbox.put(Fatal(f"replica {index} failed to start: {type(e).__name__}: {e}"))
         return
     outbox.put(Ready(index, os.getpid(), engine.resolved.to_dict(), engine.max_model_len, warmup))
-    stats = engine.stats()
-    outbox.put(MetricsSnapshot(recorder.metric_families(stats), stats))  # the idle state, before the first request
+    ships = bool(getattr(recorder, "ships", False))
+
+    def snapshot() -> MetricsSnapshot:
+        stats = engine.stats()
+        if ships:
+            try:
+                drained = recorder.drain()
+            except Exception:  # noqa: BLE001 - a broken drain loses its records, not the replica
+                logger.exception("replica %d: drain() failed", index)
+                drained = None
+            return MetricsSnapshot([], stats, drained)
+        return MetricsSnapshot(recorder.metric_families(stats), stats)
+
+    outbox.put(snapshot())  # the idle state, before the first request
     parent = mp.parent_process()
     last_push = time.monotonic()
     dirty = False
@@ -120,6 +134,11 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
                     recorder.stop()  # ends the recording window (profiler, py-spy); the replica keeps serving
                     outbox.put(Records(recorder.export()))
                 elif isinstance(msg, DrainRecords):
+                    if ships:  # the drain goes with a push, which the gateway answers the request with
+                        outbox.put(snapshot())
+                        outbox.put(Drained(None))
+                        last_push = time.monotonic()
+                        continue
                     try:
                         drained = recorder.drain()
                     except Exception:  # noqa: BLE001 - a broken drain loses one part, not the replica
@@ -143,8 +162,7 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
             now = time.monotonic()
             idle = not engine.has_unfinished_requests()
             if dirty and (idle or now - last_push >= METRICS_INTERVAL_S):
-                stats = engine.stats()
-                outbox.put(MetricsSnapshot(recorder.metric_families(stats), stats))
+                outbox.put(snapshot())
                 last_push, dirty = now, False
     except Exception:  # noqa: BLE001 - the engine broke: tell the gateway, then exit
         outbox.put(Fatal(f"replica {index} crashed:\n{traceback.format_exc()}"))
@@ -164,14 +182,16 @@ class ReplicaError(RuntimeError):
 class ReplicaClient:
     """One replica process, seen from the gateway."""
 
-    def __init__(self, index: int, config, faults: Faults, recorders: RecorderFactory, model_name: str):
+    def __init__(self, index: int, config, faults: Faults, recorders: RecorderFactory, model_name: str,
+                 ship_records: bool = False):
         ctx = mp.get_context("spawn")
         self.index = index
         self.inbox = ctx.Queue()
         self.outbox = ctx.Queue()
         # not a daemon: a replica with tp_size > 1 starts its own TP worker processes
         self.process = ctx.Process(target=replica_main, name=f"layerscope-replica-{index}",
-                                   args=(index, config, faults, recorders, model_name, self.inbox, self.outbox))
+                                   args=(index, config, faults, recorders, model_name, self.inbox, self.outbox,
+                                         ship_records))
         self.info: Ready | None = None
         self.alive = False
         self._reader: threading.Thread | None = None
