@@ -234,6 +234,13 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
     # first eighth of the prompts left the first timed run 10-15% slower than the rest, whatever its level)
     for level in levels:
         _run(llm, level, prompts, params, tmp, interval, every)
+    from layerscope.engine.warmup import freeze_startup_heap
+
+    # as a serving replica does once warm (engine/warmup.py): the startup heap (torch, the model) out of
+    # the full collections' walk, which otherwise land in whichever run allocates at the time (~0.3 s
+    # each on tiny, ~10% of a run); every run still starts from a collected heap
+    frozen = freeze_startup_heap()
+    print(f"startup heap frozen: {frozen} objects", flush=True)
 
     wall: dict[str, list[float]] = {lv: [] for lv in levels}
     cpu: dict[str, list[float]] = {lv: [] for lv in levels}
@@ -282,6 +289,7 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
           f"{built * 1e6 / steps:.1f} us per step = {built / gen_s * 100:.2f}%; probes on the step loop in all "
           f"(hooks + StepRecord): {(total + built) / gen_s * 100:.2f}% of generate time", flush=True)
     llm.shutdown()
+    gc.unfreeze()  # this process may go on (a test calls main())
 
 
 def main(argv: list[str] | None = None) -> int:

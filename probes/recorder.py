@@ -19,6 +19,14 @@ metrics every second, which flushes too). A batch costs a fixed ~100 us of numpy
 locking beside its per-item work: at 64 steps that fixed part was ~1% of a tiny model's
 step time.
 
+A serving replica's recorder ships its records (``ship_records=True``, what ``serve`` and a rolling
+``run`` make): no metrics feed and no inversion here; every metrics push carries its ``drain()``,
+which finds each finished request's first step by bisecting the steps' start times with its first
+scheduling's time (``Request.first_scheduled_ns``) and sends the requests without step indices; the
+gateway process inverts the steps and feeds the metrics (``drain.unpack_drain``,
+``MetricsFeed.feed_drain``). The step loop then pays the StepRecord, one append, the events and
+the drain's pickling.
+
 Serving across processes: the gateway process runs a recorder with
 ``replica="gateway"`` (``serving.GatewayProbeRecorder``, the engine's GatewayRecorder
 seam, calls ``gateway_begin``/``set_request_timestamps``/``gateway_end``); it passes
@@ -389,8 +397,11 @@ class ProbeRecorder(Recorder):
         off this engine's step loop), every step from the first one they took part in (``steps``;
         those from step id ``write_from_step_id`` on were not handed out before, the earlier ones
         are context for the breakdown), layer times, collectives, kernels and spans recorded since.
-        Steps a live request still references stay. Steps and events go as plain tuples and step
-        indices as recorded (``index_base`` is the first shipped step's): pickling a dataclass per
+        Steps a live request still references stay. A recorder that ships its records sends no step
+        indices (None: ``drain.unpack_drain`` inverts the steps in the reader's process) and finds the
+        steps to send and to keep from the requests' first scheduling times (``_step_at``). Steps and
+        events go as plain tuples and step indices as recorded (``index_base`` is the first shipped
+        step's): pickling a dataclass per
         step or event (its ``__reduce__``, a Python call each) and shifting every index here cost
         this step loop about 5 us a step on the tiny model; ``drain.drain_steps`` /
         ``drain.drain_requests`` turn them back in the writer's process.

@@ -352,12 +352,13 @@ class Gateway:
         if isinstance(msg, MetricsSnapshot):
             self.replica_families[idx] = msg.families
             self.replica_stats[idx] = msg.stats
-            if self.ships:
+            if msg.drain is not None:  # a replica that ships its records (one that cannot, e.g. exporting
+                # OTLP spans itself, pushes its families and answers DrainRecords with its drain)
                 try:
                     self.recorder.replica_drained(idx, msg.drain, msg.stats)
                 except Exception:  # noqa: BLE001 - a drain the metrics could not take is still kept
                     logger.exception("replica %d: feeding the metrics of its drain failed", idx)
-                if msg.drain is not None and self._keep_drains:
+                if self._keep_drains:
                     with self._drains_lock:
                         self._pending_drains[idx].append(msg.drain)
         elif isinstance(msg, Records):
@@ -367,7 +368,8 @@ class Gateway:
         elif isinstance(msg, Drained):
             fut = self._drain.pop(idx, None)
             if fut is not None:  # a shipping replica's drain came just before, with a push
-                fut.set_result(self._take_drains(idx) if self.ships else msg.export)
+                fut.set_result(self._take_drains(idx) + [msg.export] * (msg.export is not None) if self.ships
+                               else msg.export)
         elif self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, idx, msg)

@@ -26,6 +26,12 @@ def _complete(client, n, model):
         assert r.status_code == 200, r.text
 
 
+def _replica_sample(c, family, suffix):
+    """The sum of ``family``'s samples named with ``suffix`` for replica 0 in the server's /metrics."""
+    fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+    return sum(s.value for s in fams[family].samples if s.name == family + suffix and s.labels.get("replica") == "0")
+
+
 def _manifest(bundle):
     return json.loads((bundle / "manifest.json").read_text())
 
@@ -53,6 +59,11 @@ def test_serve_writes_a_rolling_bundle_and_completes_it_on_sigterm(tiny_model, t
             errors = {s.labels["reason"] for s in fams["layerscope_request_errors"].samples}
             assert errors == {"rejected", "invalid", "timeout", "error"}
             _complete(c, 12, str(tiny_model))
+            # the replica ships its records: the gateway fed its engine metrics from the drains it pushed
+            _wait_for(lambda: _replica_sample(c, "layerscope_e2e_request_latency_seconds", "_count") == 12)
+            assert _replica_sample(c, "layerscope_generation_tokens", "_total") == 12 * 4
+            assert _replica_sample(c, "layerscope_inter_token_latency_seconds", "_count") == 12 * 3
+            assert _replica_sample(c, "layerscope_step_phase_seconds", "_count") > 0
             # written while serving: the requests are in parts before the server stops
             _wait_for(lambda: _manifest(bundle)["summary"]["requests"] == 12)
             m = _manifest(bundle)

@@ -132,3 +132,4 @@ def test_shipping_recorder_keeps_only_steps_of_live_requests(teed):
     assert all(all(step_idx is None for _, _, _, step_idx, *_ in d["requests_raw"]) for d in drains)
     with pytest.raises(RuntimeError, match="drain"):
         ship.tables()
+
