@@ -79,7 +79,8 @@ def freeze_startup_heap() -> int:
     engine core does at startup (``freeze_gc_heap``). Python's full collection walks every tracked
     object: under load it stalled a step loop here ~150 ms about every 5 s (two full collections in
     9,600 tiny steps, 31 us a step amortized), 3 ms frozen. Call once in a process of its own (a
-    replica, a TP worker) when it is ready to serve: frozen objects are still freed by reference
+    replica, a TP worker, the gateway's) when it is ready to serve (``gc.unfreeze()`` when the process
+    goes on to other work: ``server.serving``): frozen objects are still freed by reference
     counting, only their cycles never are. Returns how many objects the permanent generation holds."""
     gc.collect()
     gc.freeze()

@@ -8,6 +8,7 @@ the repository root, waits for ``/health`` and stops it on exit (its own process
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -83,14 +84,33 @@ def server(argv: list[str], log: Path, env: dict[str, str] | None = None, startu
         yield url
     finally:
         _SERVER_GROUPS.pop(url, None)
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM ``proc``'s process group and wait until every process of it is gone (a server's engine
+    processes too: one left shutting down, or stuck, would take CPU from the tests that come next);
+    SIGKILL whatever is left after ``timeout_s``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    sig = signal.SIGTERM
+    while True:
+        proc.poll()  # reap the leader: a zombie still counts as a member of the group
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            if sig == signal.SIGKILL:
+                return
+            sig = signal.SIGKILL
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            deadline = time.monotonic() + 10
+        time.sleep(0.1)
 
 
 def vllm_argv(py: Path, model: Path, *extra: str) -> list[str]:

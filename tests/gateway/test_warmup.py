@@ -57,11 +57,34 @@ def test_serve_reports_the_warm_up_and_health_waits_for_it(tiny_model):
         gateway.shutdown()
 
 
-@pytest.mark.slow
-def test_first_and_third_run_of_a_workload_are_within_noise(tiny_model):
-    """The cold start the issue saw (the first run at half speed) is gone: the first of three
-    identical runs against one server is within noise of the third (loose bound: a shared,
-    busy machine moves tiny-model figures by tens of percent)."""
+def _busy_cores() -> float:
+    """CPU seconds the whole machine has spent busy (every core, every process)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def _own_cpu(root) -> float:
+    """CPU seconds of ``root`` and its live children (the test process, its replica, its threads)."""
+    import psutil
+
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            c = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += c.user + c.system
+    return total
+
+
+def _three_runs(tiny_model) -> list[tuple[float, float]]:
+    """Three identical runs against one fresh server: (output tok/s, cores other processes kept busy)."""
+    import time
+
+    import psutil
+
     from layerscope.engine.config import EngineConfig
     from layerscope.engine.gateway.gateway import Gateway
     from layerscope.engine.gateway.server import serving
@@ -72,9 +95,42 @@ def test_first_and_third_run_of_a_workload_are_within_noise(tiny_model):
                       recorders=None, served_model_name="tiny")
     # runs of ~1 s: a 0.1 s run (24 x 24 tokens) moved 2x from one repetition to the next here
     spec = builtin("offline", num_requests=96, output_len=48)
+    me = psutil.Process()
+    out = []
     with serving(gateway) as url:
         reqs = spec.build(gateway.tokenizer)
         with server_in_process():
-            tps = [run_load(url, spec, reqs).summary()["output_tokens_per_s"] for _ in range(3)]
-    print(f"\noutput tok/s of three identical runs after warm-up: {[round(t) for t in tps]}")
-    assert tps[0] > 0.5 * statistics.median(tps[1:]), tps
+            for _ in range(3):
+                w0, b0, o0 = time.monotonic(), _busy_cores(), _own_cpu(me)
+                tps = run_load(url, spec, reqs).summary()["output_tokens_per_s"]
+                wall = time.monotonic() - w0
+                out.append((tps, max(_busy_cores() - b0 - (_own_cpu(me) - o0), 0.0) / wall))
+    return out
+
+
+@pytest.mark.slow
+def test_first_and_third_run_of_a_workload_are_within_noise(tiny_model):
+    """The cold start the issue saw (the first run at half speed) is gone: the first of three
+    identical runs against one server is within noise of the third (loose bound: a shared,
+    busy machine moves tiny-model figures by tens of percent).
+
+    A full garbage collection in the gateway's process (here the test's: ~400k objects and up, 150 ms and
+    more per pass, every request in flight waiting on the event loop) made one run in a few ~35% slower,
+    and one first run in CI at 0.42x: ``serving`` now freezes the startup heap, as ``serve`` does.
+    Other processes' CPU use is measured during each run (the machine's busy time less this test's
+    process tree's): a first run slow while something else held the CPU says nothing of the cold
+    start, so the three runs are repeated against a fresh server, at most twice; a first run slow on
+    a machine as quiet as in the other runs fails at once."""
+    for attempt in range(3):
+        runs = _three_runs(tiny_model)
+        tps = [t for t, _ in runs]
+        others = [o for _, o in runs]
+        print(f"\noutput tok/s of three identical runs after warm-up: {[round(t) for t in tps]}; "
+              f"cores busy with other processes: {[round(o, 2) for o in others]}")
+        if tps[0] > 0.5 * statistics.median(tps[1:]):
+            return
+        if others[0] < max(others[1:]) + 0.5:  # the machine was no busier: the cold start is back
+            break
+    pytest.fail(f"first run at {tps[0] / statistics.median(tps[1:]):.2f}x the others' median "
+                f"(tok/s {[round(t) for t in tps]}, other processes' cores {[round(o, 2) for o in others]}; "
+                f"{attempt + 1} attempt(s))")
