@@ -64,6 +64,16 @@ def teed(tiny_model):
     assert ship.ships and not local.ships and ship.metrics is None
     config = EngineConfig.from_overrides(model=str(tiny_model), **ENGINE)
     engine = LLMEngine(config, recorder=Tee(local, ship))
+    scheduled = {}  # step id -> (prefill seqs, decode seqs, prefill tokens) by the scheduler's own flags
+    schedule = engine._schedule
+
+    def watched():
+        out = schedule()
+        pre = [s for s in out.scheduled if s.is_prefill]
+        scheduled[out.step_id] = (len(pre), len(out.scheduled) - len(pre), sum(len(s.token_ids) for s in pre))
+        return out
+
+    engine._schedule = watched
     for r in (local, ship):
         r.configure(engine.config, engine.resolved)
         r.start()
@@ -88,6 +98,7 @@ def teed(tiny_model):
     feed.feed_drain(d)
     drains.append(d)
     engine.shutdown()
+    engine.scheduled = scheduled
     return local, ship, feed, drains, kept, engine
 
 
@@ -97,6 +108,17 @@ def test_the_run_has_what_makes_step_lists_hard(teed):
     assert sum(s.num_preemptions for s in steps) > 0  # recompute: a request's steps have a gap
     assert any(s.num_prefix_hits for s in steps)
     assert any(s.sampled_ids is not s.request_ids for s in steps)  # a chunk that sampled nothing
+
+
+def test_step_records_count_prefills_and_decodes_as_the_scheduler_flags_them(teed):
+    """The engine counts a step's decodes on its token counts when every request sampled (one that
+    sampled and computed one token is a decode), on the scheduler's flags otherwise: both agree with
+    the flags on every step, and the run has both kinds of step."""
+    local, *_, engine = teed
+    got = {s.step_id: (s.num_prefill_seqs, s.num_decode_seqs, s.num_prefill_tokens) for s in local._steps}
+    assert got == {k: v for k, v in engine.scheduled.items() if k in got} and len(got) == len(local._steps)
+    assert any(s.sampled_ids is s.request_ids and s.num_prefill_seqs for s in local._steps)  # counted on tokens
+    assert any(s.sampled_ids is not s.request_ids for s in local._steps)  # counted on the flags
 
 
 def test_metrics_fed_from_the_drains_equal_the_in_process_feed(teed):
