@@ -157,9 +157,10 @@ class MetricsFeed:
 
     def engine_state(self, stats) -> None:
         """Set the engine gauges from ``LLMEngine.stats()`` (the state now)."""
-        self._running.set(stats["num_running"])
-        self._waiting.set(stats["num_waiting"])
-        self._kv.set(stats["kv_cache_usage"])
+        with self._lock:  # after any step fed meanwhile, which sets them from its last step
+            self._running.set(stats["num_running"])
+            self._waiting.set(stats["num_waiting"])
+            self._kv.set(stats["kv_cache_usage"])
 
     def launch_gap_ratio(self, ratio: float) -> None:
         self.metrics.child("layerscope_launch_gap_ratio").set(ratio)

@@ -191,21 +191,19 @@ class GatewayProbeRecorder(ProbeRecorder, GatewayRecorder):
     def replica_drained(self, replica: int, drain: dict[str, Any] | None, stats: Mapping[str, Any]) -> None:
         """Feed replica ``replica``'s metrics from its drain, as its own recorder would have in its process
         (same metric set, ``replica`` label); the engine gauges from ``stats``. Runs on the replica's
-        reader thread; the feed's lock guards it against a scrape."""
+        reader thread, under the feed's lock."""
         feed = self._replica_feeds.get(replica)
         if feed is None:
             feed = self._replica_feeds[replica] = MetricsFeed(None, self.model_name, replica, 1, None)
         if drain is not None:
             feed.feed_drain(drain)
         if stats:
-            with feed._lock:
-                feed.engine_state(stats)
+            feed.engine_state(stats)
 
     def metric_families(self, stats=None) -> list:
         fams = list(self.metrics.registry.collect())
         for feed in list(self._replica_feeds.values()):
-            with feed._lock:
-                fams += feed.metrics.registry.collect()
+            fams += feed.metrics.registry.collect()
         return fams
 
     def drain(self) -> dict[str, Any] | None:

@@ -358,18 +358,17 @@ class Gateway:
                     self.recorder.replica_drained(idx, msg.drain, msg.stats)
                 except Exception:  # noqa: BLE001 - a drain the metrics could not take is still kept
                     logger.exception("replica %d: feeding the metrics of its drain failed", idx)
-                if self._keep_drains:
-                    with self._drains_lock:
-                        self._pending_drains[idx].append(msg.drain)
+                self._keep_drain(idx, msg.drain)
         elif isinstance(msg, Records):
             fut = self._collect.pop(idx, None)
             if fut is not None:
                 fut.set_result(msg.export)
         elif isinstance(msg, Drained):
+            if self.ships and msg.export is not None:  # a replica that could not ship answers with its drain;
+                self._keep_drain(idx, msg.export)  # a shipping one's came just before, with a push
             fut = self._drain.pop(idx, None)
-            if fut is not None:  # a shipping replica's drain came just before, with a push
-                fut.set_result(self._take_drains(idx) + [msg.export] * (msg.export is not None) if self.ships
-                               else msg.export)
+            if fut is not None:
+                fut.set_result(self._take_drains(idx) if self.ships else msg.export)
         elif self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, idx, msg)
@@ -419,6 +418,11 @@ class Gateway:
             except concurrent.futures.TimeoutError:
                 logger.warning("replica %d sent no records within %.0f s", i, timeout_s)
         return out
+
+    def _keep_drain(self, idx: int, drain: Any) -> None:
+        if self._keep_drains:  # for the rolling bundle's next part (drain_records)
+            with self._drains_lock:
+                self._pending_drains[idx].append(drain)
 
     def _take_drains(self, idx: int) -> list[Any]:
         with self._drains_lock:
