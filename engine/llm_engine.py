@@ -216,7 +216,8 @@ class LLMEngine:
                     t1 - t0, runner_out.prepare_ns, runner_out.forward_ns, runner_out.sample_ns, t3 - t2,  # phases
                     len(num_tokens) - num_decode, num_batched - num_decode,  # num_prefill_seqs, num_prefill_tokens
                     num_decode, num_decode,  # num_decode_seqs, num_decode_tokens
-                    sched.num_running, sched.num_waiting, bm.num_free_blocks, bm.num_blocks,
+                    # num_running, num_waiting, num_kv_blocks_free (the properties' lens, without their calls)
+                    len(sched.running), len(sched.waiting), len(bm.free_block_queue), bm.num_blocks,
                     sched.num_preemptions - p0, bm.num_prefix_queries - q0, bm.num_prefix_hits - h0,
                     request_ids, num_tokens, 0, sampled,  # request_ids, request_num_tokens, replica, sampled_ids
                 )),

@@ -5,10 +5,12 @@
 
 "rolling" is what a serving replica runs (``serve``, ``run`` with a rolling bundle): default probes
 whose records ship (``ProbeRecorder(ship_records=True)``: no metrics fed and no step lists inverted
-on the step loop), drained every --drain-every-steps steps, the drains and their pickling inside
-the timed region (the replica pays both: ``drain()`` runs on its step loop, the queue pickles what
-it sends); what the gateway process then does with them (feeding the replica's Prometheus metrics,
-building rows and spans, writing parts) is outside it, in build_s. "default" is the in-process
+on the step loop), drained every --drain-every-steps steps into a real ``multiprocessing.Queue``
+read by a child process, as a replica's drains travel to its gateway: ``drain()`` runs on the step
+loop, the queue's feeder thread pickles in the background (in this process: the CPU-time column
+counts it), the child unpickles them. What the gateway then does with them (feeding the replica's
+Prometheus metrics, building rows and spans, writing parts) runs in the child after the timed
+region, in build_s. "default" is the in-process
 recorder of an offline run (``LLM``, ``run_offline``), which feeds its metrics itself.
 
 One engine per preset; each repetition runs every level once, in an order rotated per
@@ -34,7 +36,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import pickle
 import random
 import statistics
 import sys
@@ -66,8 +67,64 @@ def _workload(n: int, vocab: int, seed: int, min_len: int, max_len: int) -> list
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
 
 
+def _gateway_side(inbox, outbox, trace_dir: str) -> None:
+    """A child process standing for the gateway of a serving replica: it receives the replica's drains
+    through a ``multiprocessing.Queue`` as the gateway's reader thread does (unpickled here), and on
+    ``("end", name)`` does what the gateway then does with them (the replica's Prometheus metrics fed,
+    the rolling parts written), timed, and answers (build seconds, drains received)."""
+    from prometheus_client import generate_latest
+
+    from layerscope.probes.feed import MetricsFeed
+    from layerscope.probes.rolling import RollingBundleWriter
+
+    drains: list = []
+    while True:
+        msg = inbox.get()
+        if msg is None:
+            return
+        if isinstance(msg, tuple) and msg[0] == "end":
+            t = time.perf_counter()
+            feed = MetricsFeed(None, "bench", 0, 1, None)
+            writer = RollingBundleWriter(Path(trace_dir) / msg[1], probes="default")
+            for d in drains:
+                feed.feed_drain(d)
+                writer.add(None, [d])
+            writer.close()
+            generate_latest(feed.metrics.registry)
+            outbox.put((time.perf_counter() - t, len(drains)))
+            drains = []
+        else:
+            drains.append(msg)
+
+
+class _Gateway:
+    """The gateway side of the rolling level: a child process fed by a real ``multiprocessing.Queue``,
+    the replica's transport (``put`` returns at once; the queue's feeder thread pickles in the
+    background, as a replica's outbox does)."""
+
+    def __init__(self, trace_dir: Path):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_gateway_side, args=(self.inbox, self.outbox, str(trace_dir)), daemon=True)
+        self.proc.start()
+        self.put = self.inbox.put
+
+    def build(self, name: str) -> tuple[float, int]:
+        """Every drain put so far fed and written there: (build seconds, drains received)."""
+        self.inbox.put(("end", name))
+        return self.outbox.get(timeout=600)
+
+    def close(self) -> None:
+        self.inbox.put(None)
+        self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
 def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
-         drain_every: int = 256) -> tuple[float, float, float, int, list]:
+         drain_every: int = 256, gateway: _Gateway | None = None) -> tuple[float, float, float, int, list]:
     """(generate wall s, generate CPU s, table-building s, engine steps, output token ids) of one run."""
     from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
@@ -76,14 +133,15 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
     rec = Recorder() if level == "off" else ProbeRecorder(
         probes, model_name="bench", layer_timing_interval=interval, trace_dir=trace_dir / f"{level}-{time.time_ns()}",
         profile_every_steps=64, profile_num_steps=2, ship_records=level == "rolling")
-    drains: list = []
     if level == "rolling":
-        on_step = rec.on_step
+        if gateway is None:
+            raise ValueError("the rolling level needs the gateway side (_Gateway)")
+        on_step, put = rec.on_step, gateway.put
 
         def on_step_draining(step, layer_times):
             on_step(step, layer_times)
             if step.step_id % drain_every == 0:
-                drains.append(pickle.dumps(rec.drain(), protocol=pickle.HIGHEST_PROTOCOL))
+                put(rec.drain())  # the replica's outbox.put(snapshot()): pickled by the queue's feeder thread
 
         rec.on_step = on_step_draining
     engine = llm.engine
@@ -101,25 +159,13 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
     if level != "off":
         rec.stop()
         t1 = time.perf_counter()
-        if level == "rolling":  # the gateway's side: the replica's metrics fed, the parts written
-            from prometheus_client import generate_latest
-
-            from layerscope.probes.feed import MetricsFeed
-            from layerscope.probes.rolling import RollingBundleWriter
-
-            drains.append(pickle.dumps(rec.drain(), protocol=pickle.HIGHEST_PROTOCOL))
-            feed = MetricsFeed(None, "bench", 0, 1, None)
-            writer = RollingBundleWriter(trace_dir / f"rolling-{time.time_ns()}", probes="default")
-            for b in drains:
-                d = pickle.loads(b)  # our own bytes, made just above
-                feed.feed_drain(d)
-                writer.add(None, [d])
-            writer.close()
-            generate_latest(feed.metrics.registry)
+        if level == "rolling":  # the gateway's side: the replica's metrics fed, the parts written (there)
+            gateway.put(rec.drain())
+            build_s, _ = gateway.build(f"rolling-{time.time_ns()}")
         else:
             rec.tables()
             rec.metrics_text()
-        build_s = time.perf_counter() - t1
+            build_s = time.perf_counter() - t1
         rec.shutdown()
     engine.recorder = Recorder()
     return gen_s, cpu_s, build_s, steps, [o.token_ids for o in outputs]
@@ -135,9 +181,9 @@ _HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", 
           "on_request_finished", "drain")
 
 
-def _hook_time(llm, prompts, params, interval: int,
-               drain_every: int) -> tuple[dict[str, float], float, int, float, float, float, float]:
-    """One rolling run (default probes, drained and pickled every ``drain_every`` steps) with every
+def _hook_time(llm, prompts, params, interval: int, drain_every: int,
+               gateway: _Gateway) -> tuple[dict[str, float], float, int, float, float, float, float]:
+    """One rolling run (default probes, drained into the gateway's queue every ``drain_every`` steps) with every
     recorder hook timed on the wall clock: (seconds per hook and generate seconds, the timing's cost in
     the step loop subtracted; steps; the timing's own cost per call in the step loop and in a loop of
     no-ops (us); the hooks' total with the latter subtracted (s); the engine's StepRecord building (s)).
@@ -175,7 +221,8 @@ def _hook_time(llm, prompts, params, interval: int,
         if name != "drain":
             setattr(rec, name, wrap(getattr(rec, name), name))
     timed_step = rec.on_step
-    timed_drain = wrap(lambda: pickle.dumps(rec.drain(), protocol=pickle.HIGHEST_PROTOCOL), "drain")
+    put = gateway.put
+    timed_drain = wrap(lambda: put(rec.drain()), "drain")
 
     built = [0]
 
@@ -201,6 +248,7 @@ def _hook_time(llm, prompts, params, interval: int,
     rec.stop()
     rec.shutdown()
     engine.recorder = Recorder()
+    gateway.build(f"hooks-{time.time_ns()}")
     steps = engine.scheduler.step_id - s0
     per_call = spent.pop("timer") / max(calls.pop("timer"), 1)
     timed_calls = sum(calls.values())
@@ -230,10 +278,11 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
           f"output tokens, prompts {lo}-{hi} tokens, max_num_seqs {args.max_num_seqs}, {args.reps} reps, "
           f"threads {args.num_threads}, layer timing every {interval} steps, rolling drain every {every} steps",
           flush=True)
+    gateway = _Gateway(tmp)  # the rolling level's (and the hooks run's) gateway side, one child process
     # warm-up: allocator, kineto, caches, and every batch shape the timed runs meet (a warm-up of the
     # first eighth of the prompts left the first timed run 10-15% slower than the rest, whatever its level)
     for level in levels:
-        _run(llm, level, prompts, params, tmp, interval, every)
+        _run(llm, level, prompts, params, tmp, interval, every, gateway)
     from layerscope.engine.warmup import freeze_startup_heap
 
     # as a serving replica does once warm (engine/warmup.py): the startup heap (torch, the model) out of
@@ -249,7 +298,7 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
     for rep in range(args.reps):
         order = levels[rep % len(levels):] + levels[: rep % len(levels)]
         for level in order:
-            gen_s, cpu_s, build_s, steps, tokens = _run(llm, level, prompts, params, tmp, interval, every)
+            gen_s, cpu_s, build_s, steps, tokens = _run(llm, level, prompts, params, tmp, interval, every, gateway)
             if reference is None:
                 reference = tokens
             elif tokens != reference:
@@ -276,10 +325,10 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
                          + f" {best * 100:5.1f}%")
         print(f"{level:<8} {statistics.median(wall[level]):12.1f} {cells[0]} {statistics.median(cpu[level]):17.1f} "
               f"{cells[1]} {statistics.median(build[level]):8.3f}", flush=True)
-    hooks, gen_s, steps, per_call, warm, upper, built = _hook_time(llm, prompts, params, interval, every)
+    hooks, gen_s, steps, per_call, warm, upper, built = _hook_time(llm, prompts, params, interval, every, gateway)
     total = sum(hooks.values())
     print(f"rolling, hooks timed (wall clock): {total * 1e6 / steps:.1f} us per step in recorder hooks "
-          f"(drain + pickle included) = {total / gen_s * 100:.2f}% of generate time "
+          f"(drain and queue put included) = {total / gen_s * 100:.2f}% of generate time "
           f"({gen_s * 1e3 / steps:.2f} ms per step); per step: "
           + ", ".join(f"{k} {v * 1e6 / steps:.1f} us" for k, v in hooks.items())
           + f"; the timing's own cost subtracted: {per_call:.2f} us a call, measured in the step loop "
@@ -288,6 +337,7 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
     print(f"rolling, the engine's StepRecord building (its step's end to on_step, probes only): "
           f"{built * 1e6 / steps:.1f} us per step = {built / gen_s * 100:.2f}%; probes on the step loop in all "
           f"(hooks + StepRecord): {(total + built) / gen_s * 100:.2f}% of generate time", flush=True)
+    gateway.close()
     llm.shutdown()
     gc.unfreeze()  # this process may go on (a test calls main())
 
