@@ -101,7 +101,8 @@ class Recorder(RunRecorder):
 
     def on_request_events(self, request: "Request", events: "list[RequestEvent]") -> None:
         """The request's events since the last call, in order: when it is added (ARRIVAL, QUEUED),
-        aborted, and released when finished (the rest of its log), never per step."""
+        aborted, and released when finished (the rest of its log), never per step. ``events`` is a new list
+        each call (``Request.take_events``), the recorder's to keep."""
 
     def on_request_finished(self, request: "Request") -> None:
         pass

@@ -1,17 +1,19 @@
 """What probes cost: the same seeded workload under probes off, default, full and rolling.
 
     python -m layerscope.probes.bench_overhead [--preset tiny,small | --model DIR] [--requests 480,96]
-        [--reps 6] [--levels off,default,rolling] [--drain-every-steps 256]
+        [--reps 6] [--levels off,default,rolling] [--push-interval-s 0.5]
 
 "rolling" is what a serving replica runs (``serve``, ``run`` with a rolling bundle): default probes
 whose records ship (``ProbeRecorder(ship_records=True)``: no metrics fed and no step lists inverted
-on the step loop), drained every --drain-every-steps steps into a real ``multiprocessing.Queue``
-read by a child process, as a replica's drains travel to its gateway: ``drain()`` runs on the step
-loop, the queue's feeder thread pickles in the background (in this process: the CPU-time column
-counts it), the child unpickles them. What the gateway then does with them (feeding the replica's
-Prometheus metrics, building rows and spans, writing parts) runs in the child after the timed
-region, in build_s. "default" is the in-process
-recorder of an offline run (``LLM``, ``run_offline``), which feeds its metrics itself.
+on the step loop). Every level runs a replica's loop after each step (``replica_main``): a metrics
+snapshot (``MetricsSnapshot``, the engine's stats) pushed every --push-interval-s while busy and
+as the engine goes idle, through a real ``multiprocessing.Queue`` read by a child process standing
+for the gateway; rolling's snapshots carry its ``drain()``, as a shipping replica's do. ``drain()``
+runs on the step loop, the queue's feeder thread pickles in the background (in this process: the
+CPU-time column counts it), the child unpickles. What the gateway then does with the drains (feeding
+the replica's Prometheus metrics, building rows and spans, writing parts) runs in the child after
+the timed region, in build_s. "default" is the in-process recorder of an offline run (``LLM``,
+``run_offline``), which feeds its metrics itself.
 
 One engine per preset; each repetition runs every level once, in an order rotated per
 repetition, with a fresh recorder per run (nothing accumulates across runs). A level's
@@ -43,7 +45,9 @@ import tempfile
 import time
 from pathlib import Path
 
-LEVELS = ("off", "default", "full", "rolling")  # rolling: default + drain() every --drain-every-steps steps
+from layerscope.engine.gateway.replica import METRICS_INTERVAL_S
+
+LEVELS = ("off", "default", "full", "rolling")  # rolling: default probes shipping, drained at every push
 # two-sided 95% Student t quantiles by degrees of freedom (no scipy here)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
@@ -93,8 +97,8 @@ def _gateway_side(inbox, outbox, trace_dir: str) -> None:
             generate_latest(feed.metrics.registry)
             outbox.put((time.perf_counter() - t, len(drains)))
             drains = []
-        else:
-            drains.append(msg)
+        elif msg.drain is not None:  # a MetricsSnapshot, as a replica pushes it
+            drains.append(msg.drain)
 
 
 class _Gateway:
@@ -123,9 +127,28 @@ class _Gateway:
             self.proc.kill()
 
 
+def _replica_loop(engine, push_interval_s: float, push) -> None:
+    """What a serving replica's loop does after every step, probes on or off (``replica_main``): a
+    metrics snapshot pushed to the gateway every ``push_interval_s`` while busy and as the engine goes
+    idle (``push()``), on the same check; installed over ``engine.step`` (``del engine.step`` undoes it)."""
+    step, busy = type(engine).step.__get__(engine), engine.has_unfinished_requests
+    last = [time.monotonic()]
+
+    def stepping():
+        outs = step()
+        now = time.monotonic()
+        if now - last[0] >= push_interval_s or not busy():
+            push()
+            last[0] = now
+        return outs
+
+    engine.step = stepping
+
+
 def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
-         drain_every: int = 256, gateway: _Gateway | None = None) -> tuple[float, float, float, int, list]:
+         push_interval_s: float = 0.5, gateway: _Gateway | None = None) -> tuple[float, float, float, int, list]:
     """(generate wall s, generate CPU s, table-building s, engine steps, output token ids) of one run."""
+    from layerscope.engine.gateway.messages import MetricsSnapshot
     from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
 
@@ -133,17 +156,16 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
     rec = Recorder() if level == "off" else ProbeRecorder(
         probes, model_name="bench", layer_timing_interval=interval, trace_dir=trace_dir / f"{level}-{time.time_ns()}",
         profile_every_steps=64, profile_num_steps=2, ship_records=level == "rolling")
-    if level == "rolling":
-        if gateway is None:
-            raise ValueError("the rolling level needs the gateway side (_Gateway)")
-        on_step, put = rec.on_step, gateway.put
-
-        def on_step_draining(step, layer_times):
-            on_step(step, layer_times)
-            if step.step_id % drain_every == 0:
-                put(rec.drain())  # the replica's outbox.put(snapshot()): pickled by the queue's feeder thread
-
-        rec.on_step = on_step_draining
+    if gateway is None:
+        raise ValueError("a run needs the gateway side (_Gateway) its pushes go to")
+    put, stats = gateway.put, llm.engine.stats
+    if level == "rolling":  # the replica's snapshot() of a shipping recorder: its drain goes along
+        def push():
+            put(MetricsSnapshot([], stats(), rec.drain()))
+    else:  # probes off (a replica's recorder has no families then); default and full: the engine's stats alone
+        def push():
+            put(MetricsSnapshot([], stats()))
+    _replica_loop(llm.engine, push_interval_s, push)
     engine = llm.engine
     engine.recorder = rec
     if level != "off":
@@ -160,13 +182,13 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
         rec.stop()
         t1 = time.perf_counter()
         if level == "rolling":  # the gateway's side: the replica's metrics fed, the parts written (there)
-            gateway.put(rec.drain())
             build_s, _ = gateway.build(f"rolling-{time.time_ns()}")
         else:
             rec.tables()
             rec.metrics_text()
             build_s = time.perf_counter() - t1
         rec.shutdown()
+    del engine.step
     engine.recorder = Recorder()
     return gen_s, cpu_s, build_s, steps, [o.token_ids for o in outputs]
 
@@ -181,9 +203,9 @@ _HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", 
           "on_request_finished", "drain")
 
 
-def _hook_time(llm, prompts, params, interval: int, drain_every: int,
+def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
                gateway: _Gateway) -> tuple[dict[str, float], float, int, float, float, float, float]:
-    """One rolling run (default probes, drained into the gateway's queue every ``drain_every`` steps) with every
+    """One rolling run (default probes, drained into the gateway's queue every ``push_interval_s``) with every
     recorder hook timed on the wall clock: (seconds per hook and generate seconds, the timing's cost in
     the step loop subtracted; steps; the timing's own cost per call in the step loop and in a loop of
     no-ops (us); the hooks' total with the latter subtracted (s); the engine's StepRecord building (s)).
@@ -221,8 +243,10 @@ def _hook_time(llm, prompts, params, interval: int, drain_every: int,
         if name != "drain":
             setattr(rec, name, wrap(getattr(rec, name), name))
     timed_step = rec.on_step
-    put = gateway.put
-    timed_drain = wrap(lambda: put(rec.drain()), "drain")
+    from layerscope.engine.gateway.messages import MetricsSnapshot
+
+    put, stats = gateway.put, llm.engine.stats
+    timed_drain = wrap(lambda: put(MetricsSnapshot([], stats(), rec.drain())), "drain")
 
     built = [0]
 
@@ -232,11 +256,10 @@ def _hook_time(llm, prompts, params, interval: int, drain_every: int,
         built[0] += time.monotonic_ns() - step.end_ns
         noop()
         timed_step(step, layer_times)
-        if step.step_id % drain_every == 0:
-            timed_drain()
 
     rec.on_step = on_step_draining
     engine = llm.engine
+    _replica_loop(engine, push_interval_s, timed_drain)
     engine.recorder = rec
     rec.configure(llm.config, engine.resolved)
     rec.start()
@@ -247,6 +270,7 @@ def _hook_time(llm, prompts, params, interval: int, drain_every: int,
     gen_s = time.perf_counter() - t0
     rec.stop()
     rec.shutdown()
+    del engine.step
     engine.recorder = Recorder()
     gateway.build(f"hooks-{time.time_ns()}")
     steps = engine.scheduler.step_id - s0
@@ -272,11 +296,12 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
     prompts = _workload(num_requests, llm.engine.spec.vocab_size, args.seed, lo, hi)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     num_tokens = num_requests * args.max_tokens
-    interval, every = args.layer_timing_interval, args.drain_every_steps
+    interval, every = args.layer_timing_interval, args.push_interval_s
     print(f"\n== {label}: {model} ({llm.engine.resolved.num_parameters / 1e6:.1f}M params, "
           f"{llm.engine.resolved.dtype}, {llm.engine.resolved.device}), {num_requests} requests x {args.max_tokens} "
           f"output tokens, prompts {lo}-{hi} tokens, max_num_seqs {args.max_num_seqs}, {args.reps} reps, "
-          f"threads {args.num_threads}, layer timing every {interval} steps, rolling drain every {every} steps",
+          f"threads {args.num_threads}, layer timing every {interval} steps, a metrics push every {every} s "
+          "(rolling: with its drain)",
           flush=True)
     gateway = _Gateway(tmp)  # the rolling level's (and the hooks run's) gateway side, one child process
     # warm-up: allocator, kineto, caches, and every batch shape the timed runs meet (a warm-up of the
@@ -352,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", default="16:128", help="MIN:MAX prompt tokens")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--levels", default="off,default,full")
-    ap.add_argument("--drain-every-steps", type=int, default=256, help="rolling: drain() every N engine steps")
+    ap.add_argument("--push-interval-s", type=float, default=METRICS_INTERVAL_S,
+                    help="every level: a metrics snapshot pushed to the gateway side every S seconds while busy and "
+                    "when idle, as a replica does (rolling: with its drain); 0: after every step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=1, help="torch threads (1: stable on a shared machine)")
     ap.add_argument("--max-num-seqs", type=int, default=16)

@@ -68,11 +68,11 @@ class _Req:
 
     __slots__ = ("rid", "events", "step_idx", "sampled_idx", "info", "row", "trace_id", "done_at", "req", "first_ns")
 
-    def __init__(self, req):
+    def __init__(self, req, events: list):
         self.rid: str = req.request_id
         self.req = req  # while live: a drain that ships its records reads when it was first scheduled
         self.first_ns: int | None = None  # when finished: its first scheduling (its first step's time)
-        self.events: list = []
+        self.events: list = events  # the engine's list (``Request.take_events`` hands over a new one each call)
         # the recorded indices of the steps it took part in / got a token in: filled by index_requests(), in batches
         self.step_idx: list[int] = []
         self.sampled_idx: list[int] = []
@@ -218,8 +218,9 @@ class ProbeRecorder(Recorder):
             return
         st = self._live.get(request.request_id)
         if st is None:
-            st = self._live[request.request_id] = _Req(request)
-        st.events += events
+            self._live[request.request_id] = _Req(request, events)
+        else:
+            st.events += events
 
     def on_step(self, step: StepRecord, layer_times) -> None:
         if not self.enabled:
@@ -413,7 +414,9 @@ class ProbeRecorder(Recorder):
         base = self._step_base
         raw, rows = [], []
         if self.ships:  # no step lists inverted here: the drain's reader does (drain.unpack_drain)
-            first = [self._step_at(st.first_ns) for st in done if st.first_ns is not None]
+            # the earliest first step is all it needs: one bisect on the earliest first scheduling
+            first_ns = [st.first_ns for st in done if st.first_ns is not None]
+            first = [self._step_at(min(first_ns))] if first_ns else []
             for st in done:
                 raw.append((st.rid, st.info, list(map(event_fields, st.events)), None, None,
                             self._outer.pop(st.rid, None), self._traceparents.pop(st.rid, None)))

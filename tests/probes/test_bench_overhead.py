@@ -10,7 +10,7 @@ from layerscope.probes import bench_overhead
 def test_bench_overhead_runs(tiny_model, capsys):
     assert bench_overhead.main(["--model", str(tiny_model), "--requests", "4", "--max-tokens", "4", "--reps", "2",
                                 "--prompt-len", "4:8", "--max-num-seqs", "4", "--levels", "off,default,full,rolling",
-                                "--drain-every-steps", "3"]) == 0
+                                "--push-interval-s", "0"]) == 0
     out = capsys.readouterr().out
     for level in ("default", "full", "rolling"):
         assert f"\n{level} " in out
