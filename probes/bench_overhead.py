@@ -102,7 +102,7 @@ def _gateway_side(inbox, outbox, trace_dir: str) -> None:
 
 
 class _Gateway:
-    """The gateway side of the rolling level: a child process fed by a real ``multiprocessing.Queue``,
+    """The gateway side of every level's pushes: a child process fed by a real ``multiprocessing.Queue``,
     the replica's transport (``put`` returns at once; the queue's feeder thread pickles in the
     background, as a replica's outbox does)."""
 
@@ -303,7 +303,7 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
           f"threads {args.num_threads}, layer timing every {interval} steps, a metrics push every {every} s "
           "(rolling: with its drain)",
           flush=True)
-    gateway = _Gateway(tmp)  # the rolling level's (and the hooks run's) gateway side, one child process
+    gateway = _Gateway(tmp)  # where every run's metrics pushes go (rolling's with its drains): one child process
     # warm-up: allocator, kineto, caches, and every batch shape the timed runs meet (a warm-up of the
     # first eighth of the prompts left the first timed run 10-15% slower than the rest, whatever its level)
     for level in levels:
