@@ -145,10 +145,20 @@ def _replica_loop(engine, push_interval_s: float, push) -> None:
     engine.step = stepping
 
 
-def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
-         push_interval_s: float = 0.5, gateway: _Gateway | None = None) -> tuple[float, float, float, int, list]:
-    """(generate wall s, generate CPU s, table-building s, engine steps, output token ids) of one run."""
+def _pusher(gateway: _Gateway, engine, drain=None):
+    """A replica's ``snapshot()`` and ``outbox.put``: the engine's stats, with ``drain()`` when the recorder
+    ships its records (None: probes off, or an in-process recorder: stats alone)."""
     from layerscope.engine.gateway.messages import MetricsSnapshot
+
+    put, stats = gateway.put, engine.stats
+    if drain is None:
+        return lambda: put(MetricsSnapshot([], stats()))
+    return lambda: put(MetricsSnapshot([], stats(), drain()))
+
+
+def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int, push_interval_s: float,
+         gateway: _Gateway) -> tuple[float, float, float, int, list]:
+    """(generate wall s, generate CPU s, table-building s, engine steps, output token ids) of one run."""
     from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
 
@@ -156,16 +166,9 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
     rec = Recorder() if level == "off" else ProbeRecorder(
         probes, model_name="bench", layer_timing_interval=interval, trace_dir=trace_dir / f"{level}-{time.time_ns()}",
         profile_every_steps=64, profile_num_steps=2, ship_records=level == "rolling")
-    if gateway is None:
-        raise ValueError("a run needs the gateway side (_Gateway) its pushes go to")
-    put, stats = gateway.put, llm.engine.stats
-    if level == "rolling":  # the replica's snapshot() of a shipping recorder: its drain goes along
-        def push():
-            put(MetricsSnapshot([], stats(), rec.drain()))
-    else:  # probes off (a replica's recorder has no families then); default and full: the engine's stats alone
-        def push():
-            put(MetricsSnapshot([], stats()))
-    _replica_loop(llm.engine, push_interval_s, push)
+    # rolling: a shipping replica's snapshots carry its drain; off (a replica's recorder has no families
+    # then), default and full: the engine's stats alone
+    _replica_loop(llm.engine, push_interval_s, _pusher(gateway, llm.engine, rec.drain if level == "rolling" else None))
     engine = llm.engine
     engine.recorder = rec
     if level != "off":
@@ -182,7 +185,9 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int,
         rec.stop()
         t1 = time.perf_counter()
         if level == "rolling":  # the gateway's side: the replica's metrics fed, the parts written (there)
-            build_s, _ = gateway.build(f"rolling-{time.time_ns()}")
+            build_s, received = gateway.build(f"rolling-{time.time_ns()}")
+            if not received:
+                raise RuntimeError("rolling: no drain reached the gateway side")
         else:
             rec.tables()
             rec.metrics_text()
@@ -205,7 +210,7 @@ _HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", 
 
 def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
                gateway: _Gateway) -> tuple[dict[str, float], float, int, float, float, float, float]:
-    """One rolling run (default probes, drained into the gateway's queue every ``push_interval_s``) with every
+    """One rolling run (default probes, drained with every push to the gateway's queue) with every
     recorder hook timed on the wall clock: (seconds per hook and generate seconds, the timing's cost in
     the step loop subtracted; steps; the timing's own cost per call in the step loop and in a loop of
     no-ops (us); the hooks' total with the latter subtracted (s); the engine's StepRecord building (s)).
@@ -240,13 +245,10 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
     warm_per_call = spent["timer"] / calls["timer"]
     spent["timer"] = calls["timer"] = 0
     for name in _HOOKS:
-        if name != "drain":
-            setattr(rec, name, wrap(getattr(rec, name), name))
+        setattr(rec, name, wrap(getattr(rec, name), name))
     timed_step = rec.on_step
-    from layerscope.engine.gateway.messages import MetricsSnapshot
-
-    put, stats = gateway.put, llm.engine.stats
-    timed_drain = wrap(lambda: put(MetricsSnapshot([], stats(), rec.drain())), "drain")
+    # drain() timed; the stats and the queue's put, which a replica makes with probes off too, not
+    push = _pusher(gateway, llm.engine, rec.drain)
 
     built = [0]
 
@@ -259,7 +261,7 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
 
     rec.on_step = on_step_draining
     engine = llm.engine
-    _replica_loop(engine, push_interval_s, timed_drain)
+    _replica_loop(engine, push_interval_s, push)
     engine.recorder = rec
     rec.configure(llm.config, engine.resolved)
     rec.start()
@@ -353,7 +355,8 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
     hooks, gen_s, steps, per_call, warm, upper, built = _hook_time(llm, prompts, params, interval, every, gateway)
     total = sum(hooks.values())
     print(f"rolling, hooks timed (wall clock): {total * 1e6 / steps:.1f} us per step in recorder hooks "
-          f"(drain and queue put included) = {total / gen_s * 100:.2f}% of generate time "
+          f"(drain included; the snapshot's put, made with probes off too, not) = {total / gen_s * 100:.2f}% of "
+          "generate time "
           f"({gen_s * 1e3 / steps:.2f} ms per step); per step: "
           + ", ".join(f"{k} {v * 1e6 / steps:.1f} us" for k, v in hooks.items())
           + f"; the timing's own cost subtracted: {per_call:.2f} us a call, measured in the step loop "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from layerscope.probes import bench_overhead
@@ -14,7 +16,8 @@ def test_bench_overhead_runs(tiny_model, capsys):
     out = capsys.readouterr().out
     for level in ("default", "full", "rolling"):
         assert f"\n{level} " in out
-    assert "overhead = 1 - level/off" in out and "hooks timed" in out and "drain " in out
+    assert "overhead = 1 - level/off" in out and "hooks timed" in out
+    assert re.search(r", drain \d+\.\d us", out)  # the timed drain's own figure, not the label
 
 
 def test_paired_overhead_is_the_mean_of_the_per_rep_ratios():
