@@ -146,6 +146,26 @@ def test_seed_determinism(tmp_path, tiny):
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()  # tokenizer is seed-free
 
 
+# sha256 of files written before create.py was split by concern (issue 37): the split, and any later
+# refactor, must write the same bytes for the same seed. Weights and the tokenizer only: config.json
+# carries the installed transformers' version.
+PINNED_SHA256 = {
+    ("llama", 0): {"model.safetensors": "fa58f6871d4134ee0229795c7ba089f488931ddf2076d090ede5f038fe4cdfce",
+                   "tokenizer.json": "92985ad9391f6915527788114b66ff605082c68b3a463d1271220abd60e542e9",
+                   "tokenizer_config.json": "762775277992a5a4b62e551b59ede16d12072c365a91c10eb06c91e852d48c6c"},
+    ("qwen3", 3): {"model.safetensors": "dddf8696ac0ae6fb00e17378cf6a55568da9fb94bce82dae8b24f89672ca50a7"},
+}
+
+
+@pytest.mark.parametrize("arch, seed", list(PINNED_SHA256))
+def test_same_seed_same_bytes_as_pinned(tmp_path, arch, seed):
+    import hashlib
+
+    d = create_model(tmp_path / "m", arch=arch, seed=seed)
+    got = {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in PINNED_SHA256[arch, seed]}
+    assert got == PINNED_SHA256[arch, seed]
+
+
 def test_global_rng_untouched(tmp_path):
     torch.manual_seed(123)
     expected = torch.rand(3)
@@ -263,7 +283,7 @@ def test_interrupted_create_leaves_nothing(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(C, "_write_weights", boom)
+    monkeypatch.setattr(C, "write_weights", boom)  # as create_model calls it
     with pytest.raises(KeyboardInterrupt):
         create_model(tmp_path / "m")
     assert list(tmp_path.iterdir()) == []
@@ -271,7 +291,7 @@ def test_interrupted_create_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.undo()
     create_model(tmp_path / "m")
     before = (tmp_path / "m" / "model.safetensors").read_bytes()
-    monkeypatch.setattr(C, "_write_weights", boom)
+    monkeypatch.setattr(C, "write_weights", boom)  # as create_model calls it
     with pytest.raises(KeyboardInterrupt):
         create_model(tmp_path / "m", seed=5, overwrite=True)
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
