@@ -92,31 +92,29 @@ class EngineConfig:
             raise ConfigError("gateway must be a GatewayConfig")
         self.gateway.validate()
 
-    # ---- construction from strings / dicts -------------------------------------------
+    # ---- construction from typed overrides / command-line text ------------------------------
     @classmethod
     def from_overrides(cls, base: "EngineConfig | None" = None, **overrides: Any) -> "EngineConfig":
-        """Return a config with ``overrides`` applied (keys may be ``gateway.x``).
+        """Return a config with ``overrides`` applied (keys may be ``gateway.x``), values typed as the
+        fields are (``parse_set_args`` turns command-line text into them).
 
-        Unknown keys raise ConfigError naming the key and the known ones.
+        An unknown key, or a value of the wrong type, raises ConfigError naming the known keys or the type.
         """
         base = base or cls()
         top: dict[str, Any] = {}
         gw: dict[str, Any] = {}
-        known = {f.name: f for f in fields(cls)}
-        gw_known = {f.name: f for f in fields(GatewayConfig)}
         for key, value in overrides.items():
-            if key.startswith("gateway."):
-                sub = key.split(".", 1)[1]
-                if sub not in gw_known:
-                    raise ConfigError(_unknown_key(key))
-                gw[sub] = _coerce(gw_known[sub], value, key)
-            elif key in known and key != "gateway":
-                top[key] = _coerce(known[key], value, key)
-            else:
-                raise ConfigError(_unknown_key(key))
+            f = _field(key)
+            _check_type(f, value, key)
+            (gw if key.startswith("gateway.") else top)[f.name] = value
         if gw:
             top["gateway"] = dataclasses.replace(base.gateway, **gw)
         return dataclasses.replace(base, **top)
+
+    @classmethod
+    def parse_overrides(cls, text: Mapping[str, str]) -> dict[str, Any]:
+        """``key -> value text`` (``--set``) as ``key -> typed value``, each parsed to its field's type."""
+        return {key: _parse(_field(key), value, key) for key, value in text.items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "EngineConfig":
@@ -129,15 +127,19 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
-def parse_set_args(items: list[str] | None) -> dict[str, str]:
-    """Parse ``--set KEY=VALUE`` items into a dict (values still strings)."""
-    out: dict[str, str] = {}
+def parse_set_args(items: list[str] | None) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items as typed overrides, checked by the config where the command line is
+    read: each key one of its fields, each value parsed to that field's type, and the config they
+    make valid (bounds, choices). Later hops (``api.run``, ``build_gateway``, ``LLM``) take them typed."""
+    text: dict[str, str] = {}
     for item in items or []:
         if "=" not in item:
             raise ConfigError(f"--set expects KEY=VALUE, got {item!r}; keys: {', '.join(sorted(config_keys()))}")
         k, v = item.split("=", 1)
-        out[k.strip()] = v.strip()
-    return out
+        text[k.strip()] = v.strip()
+    overrides = EngineConfig.parse_overrides(text)
+    EngineConfig.from_overrides(**overrides)  # bounds and choices, before anything is built
+    return overrides
 
 
 def config_keys() -> dict[str, dict[str, str]]:
@@ -196,24 +198,35 @@ def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def _coerce(f: dataclasses.Field, value: Any, key: str) -> Any:
-    if not isinstance(value, str):
-        return value
-    typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+def _field(key: str) -> dataclasses.Field:
+    """The dataclass field of config key ``key`` (``gateway.x``: GatewayConfig's ``x``)."""
+    owner, name = (GatewayConfig, key.split(".", 1)[1]) if key.startswith("gateway.") else (EngineConfig, key)
+    for f in fields(owner):
+        if f.name == name and f.name != "gateway":
+            return f
+    raise ConfigError(_unknown_key(key))
+
+
+_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def _check_type(f: dataclasses.Field, value: Any, key: str) -> None:
+    expected = _TYPES[f.type]
+    if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+        hint = "; command-line text goes through parse_set_args" if isinstance(value, str) else ""
+        raise ConfigError(f"config key {key!r} expects {f.type}, got {value!r} ({type(value).__name__}){hint}")
+
+
+def _parse(f: dataclasses.Field, text: str, key: str) -> Any:
+    """``text`` as the type of field ``f``; ConfigError says what the key expects."""
+    if f.type == "bool":
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"config key {key!r} expects bool (true/false, 1/0, yes/no, on/off), got {text!r}")
     try:
-        if typ == "bool":
-            low = value.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ConfigError(f"config key {key!r} expects bool (true/false, 1/0, yes/no, on/off), got {value!r}")
-        if typ == "int":
-            return int(value)
-        if typ == "float":
-            return float(value)
-    except ConfigError:
-        raise
+        return {"int": int, "float": float, "str": str}[f.type](text)
     except ValueError:
-        raise ConfigError(f"config key {key!r} expects {typ}, got {value!r} ({f.metadata.get('doc', '')})") from None
-    return value
+        raise ConfigError(f"config key {key!r} expects {f.type}, got {text!r} ({f.metadata['doc']})") from None

@@ -40,7 +40,8 @@ def build_gateway(model: str | Path, *, config: Mapping[str, Any] | None = None,
     (``layerscope.api.run``): a bad config key or fault (or one this run cannot have) is an error
     here, before anything starts.
 
-    ``config``: engine/gateway keys (``--set``, parsed: ``engine.config.parse_set_args``);
+    ``config``: engine/gateway keys, typed (``--set`` text is parsed where it is read:
+    ``engine.config.parse_set_args``);
     ``faults``: ``--fault`` items (``KEY=VALUE``); ``recorders``: the run's probes
     (``layerscope.probes.serving.recorders(level)``; None: off); ``record`` / ``rolling``: what
     the Gateway keeps of each request (``Gateway.__init__``); ``otlp_endpoint``: ``use_otlp_endpoint``.

@@ -65,8 +65,13 @@ def test_unknown_config_key_is_an_error(tiny_llama):
         EngineConfig(max_num_seqs=0)
     with pytest.raises(ConfigError, match="kernel_backend"):
         EngineConfig.from_overrides(kernel_backend="cuda-graphs")
-    cfg = EngineConfig.from_overrides(**{"gateway.max_queue": "7", "enable_prefix_caching": "false"})
+    cfg = EngineConfig.from_overrides(**{"gateway.max_queue": 7, "enable_prefix_caching": False})
     assert cfg.gateway.max_queue == 7 and cfg.enable_prefix_caching is False
+    # past the command line values are typed: text is parsed where it is read (parse_set_args)
+    with pytest.raises(ConfigError, match=r"'gateway.max_queue' expects int, got '7' \(str\)"):
+        EngineConfig.from_overrides(**{"gateway.max_queue": "7"})
+    with pytest.raises(ConfigError, match="'max_num_seqs' expects int, got True"):
+        EngineConfig.from_overrides(max_num_seqs=True)
 
 
 def test_seeded_sampling_is_reproducible_and_topk1_is_greedy(llm):

@@ -99,9 +99,17 @@ def test_model_that_is_not_a_directory(tmp_path):
 
 
 # ---- --set ------------------------------------------------------------------------------------
+def test_set_values_are_typed_at_the_edge():
+    got = parse_set_args(["max_num_seqs=8", "enable_prefix_caching=off", "gateway.request_timeout_s=5",
+                          "router_policy=least_loaded"])
+    assert got == {"max_num_seqs": 8, "enable_prefix_caching": False, "gateway.request_timeout_s": 5.0,
+                   "router_policy": "least_loaded"}
+    assert [type(v) for v in got.values()] == [int, bool, float, str]
+
+
 def test_set_unknown_key_lists_the_keys():
     with pytest.raises(ConfigError) as e:
-        EngineConfig.from_overrides(**parse_set_args(["max_num_seq=4"]))
+        parse_set_args(["max_num_seq=4"])
     msg = str(e.value)
     assert "unknown config key 'max_num_seq'" in msg and "did you mean max_num_seqs" in msg
     for key in config_keys():
@@ -114,10 +122,12 @@ def test_set_unknown_key_lists_the_keys():
     ("gateway.max_queue=x", ["gateway.max_queue", "expects int"]),
     ("max_num_seqs", ["KEY=VALUE", "max_num_seqs", "block_size"]),
     ("router_policy=random", ["router_policy", "round_robin", "least_loaded", "prefix_affinity"]),
+    ("max_num_seqs=0", ["max_num_seqs must be > 0", "got 0"]),  # bounds checked by the config when parsed
+    ("block_size=12", ["block_size must be a power of two"]),
 ])
 def test_set_bad_value_says_what_is_expected(item, words):
     with pytest.raises(ConfigError) as e:
-        EngineConfig.from_overrides(**parse_set_args([item]))
+        parse_set_args([item])
     for w in words:
         assert w in str(e.value)
 
