@@ -4,9 +4,8 @@ It renders only what layerscope.diagnose returns. Opening a run (views.open_run:
 from Polars aggregates over the bundle's request files, or for a bundle without stored
 components the full load and report), the full report with findings (RunView.summary) and
 comparing two (diagnose.compare) run in thread workers; results come back as messages
-(RunOpened, SummaryReady, RunFailed, ComparisonReady) and are handed to the screens (a screen
-takes a message through its method of the same name: run_opened, summary_ready,
-comparison_ready). The candidate (the last run given) opens first, so its overview shows
+(RunOpened, SummaryReady, RunFailed, ComparisonReady) and are handed to every ``RunScreen`` in
+the stack (screen.py: run_opened, summary_ready, comparison_ready). The candidate (the last run given) opens first, so its overview shows
 before the baseline has loaded.
 
 ``follow``: one run still being written (a ``serve --bundle`` rolling bundle): every
@@ -35,6 +34,7 @@ from textual.screen import Screen
 
 from layerscope.diagnose.errors import RunError
 from layerscope.diagnose.tui.messages import ComparisonReady, LiveStatus, RunFailed, RunOpened, SummaryReady
+from layerscope.diagnose.tui.screen import LayerscopeScreen, RunScreen
 
 
 SUMMARY_DELAY_S = 0.3  # after the overview is drawn, the full analysis (findings) starts
@@ -148,9 +148,8 @@ class LayerscopeApp(App[int]):
             return
         self.views[message.index] = message.view
         self.opened_s.setdefault(message.index, message.elapsed_s)
-        for screen in self.screen_stack:
-            if hasattr(screen, "run_opened"):
-                screen.run_opened(message.index, message.view)
+        for screen in self._run_screens():
+            screen.run_opened(message.index, message.view)
         if not message.view.has_summary and len(self.run_paths) == 1:
             self._start_summary(message.index)
 
@@ -181,9 +180,8 @@ class LayerscopeApp(App[int]):
         self.summarizing.discard(message.index)
         if message.opening != self.opening:
             return
-        for screen in self.screen_stack:
-            if hasattr(screen, "summary_ready"):
-                screen.summary_ready(message.index, message.view, message.error)
+        for screen in self._run_screens():
+            screen.summary_ready(message.index, message.view, message.error)
         current = self.views[message.index]
         if current is not None and current is not message.view and not current.has_summary:
             self._start_summary(message.index)  # the run grew meanwhile
@@ -252,8 +250,7 @@ class LayerscopeApp(App[int]):
             return
         self.exit_code = 2
         # the screens waiting for this run have nothing to show: the error takes their place
-        while len(self.screen_stack) > 1 and ("run-screen" in self.screen.classes
-                                               or type(self.screen).__name__ == "CompareScreen"):
+        while len(self.screen_stack) > 1 and isinstance(self.screen, RunScreen):
             self.pop_screen()
         self.push_screen(ErrorScreen(message.path, message.error))
 
@@ -261,9 +258,11 @@ class LayerscopeApp(App[int]):
         if message.opening != self.opening:
             return
         self.comparison, self.comparison_error = message.comparison, message.error
-        for screen in self.screen_stack:
-            if hasattr(screen, "comparison_ready"):
-                screen.comparison_ready()
+        for screen in self._run_screens():
+            screen.comparison_ready()
+
+    def _run_screens(self) -> list[RunScreen]:
+        return [s for s in self.screen_stack if isinstance(s, RunScreen)]
 
     # ---- actions ---------------------------------------------------------------------------------
     def can_go_back(self, screen: Screen | None = None) -> bool:
@@ -282,7 +281,7 @@ class LayerscopeApp(App[int]):
     def action_help(self) -> None:
         from layerscope.diagnose.tui.help_screen import HelpScreen
 
-        if type(self.screen).__name__ != "HelpScreen":
+        if isinstance(self.screen, LayerscopeScreen):  # not over the help itself
             self.push_screen(HelpScreen(self.screen))
 
     async def action_quit(self) -> None:

@@ -8,19 +8,20 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, LoadingIndicator
 
 from layerscope.diagnose.tui.diagnosis import Diagnosis
 from layerscope.diagnose.tui.messages import RequestsReady
 from layerscope.diagnose.tui.request_table import RequestTable
 from layerscope.diagnose.tui.requests_screen import PAGE_ROWS
+from layerscope.diagnose.tui.screen import RunScreen
 
 SIDES = ("baseline", "candidate")
 SIDE_COLUMNS = ("request_id", "ttft_s", "tpot_s", "e2e_s", "queue_s", "num_preemptions", "dominant_layer")
 
 
-class CompareScreen(Screen):
+class CompareScreen(RunScreen):
+    HELP_TOPIC = "compare"
     BINDINGS = [
         Binding("enter", "detail", "detail"),
         Binding("tab", "focus_next", "switch table", show=False),

@@ -13,12 +13,12 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, LoadingIndicator, Static
 
 from layerscope.diagnose.tui.bars import BarRow, Bars
 from layerscope.diagnose.tui.format import fmt_at, fmt_count, fmt_s, fmt_share, is_missing
 from layerscope.diagnose.tui.messages import DetailReady
+from layerscope.diagnose.tui.screen import RunScreen
 
 STEP_COLUMNS = (("step_id", "step"), ("at_s", "at"), ("kind", "kind"), ("num_tokens", "its tokens"),
                 ("step_s", "step time"), ("forward_s", "forward"), ("batch", "batch seqs p/d"),
@@ -26,7 +26,8 @@ STEP_COLUMNS = (("step_id", "step"), ("at_s", "at"), ("kind", "kind"), ("num_tok
                 ("kv_usage", "KV used"), ("probes", "timed/profiled"))
 
 
-class DetailScreen(Screen):
+class DetailScreen(RunScreen):
+    HELP_TOPIC = "detail"
     BINDINGS = [
         Binding("escape", "back", "back"),
         Binding("n", "next", "next request"),
@@ -34,7 +35,7 @@ class DetailScreen(Screen):
     ]
 
     def __init__(self, run_index: int, request_id: str, order: list[str] | None = None) -> None:
-        super().__init__(classes="run-screen")
+        super().__init__()
         self.run_index = run_index
         self.request_id = request_id
         self.order = order or [request_id]

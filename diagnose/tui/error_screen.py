@@ -6,11 +6,13 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
-from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
+from layerscope.diagnose.tui.screen import LayerscopeScreen
 
-class ErrorScreen(Screen):
+
+class ErrorScreen(LayerscopeScreen):
+    HELP_TOPIC = "error"
     BINDINGS = [Binding("escape", "back", "back")]
 
     def __init__(self, path: str, error: str) -> None:

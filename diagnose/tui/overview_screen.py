@@ -9,7 +9,6 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, LoadingIndicator
 
 from layerscope.diagnose.tui.bars import BarRow, Bars
@@ -17,9 +16,11 @@ from layerscope.diagnose.tui.drill_table import DrillTable
 from layerscope.diagnose.tui.findings import Findings
 from layerscope.diagnose.tui.format import fmt_pct, fmt_s
 from layerscope.diagnose.tui.headline import Headline
+from layerscope.diagnose.tui.screen import RunScreen
 
 
-class OverviewScreen(Screen):
+class OverviewScreen(RunScreen):
+    HELP_TOPIC = "overview"
     BINDINGS = [
         Binding("r", "requests", "requests"),
         Binding("s", "steps", "steps"),
@@ -29,7 +30,7 @@ class OverviewScreen(Screen):
     ]
 
     def __init__(self, run_index: int) -> None:
-        super().__init__(classes="run-screen")
+        super().__init__()
         self.run_index = run_index
         self.view = None
         self._findings_of = None  # the RunView whose findings are shown

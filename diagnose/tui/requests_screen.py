@@ -14,18 +14,26 @@ from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, LoadingIndicator, Static
 
 from layerscope.diagnose.tui.messages import RequestsReady
 from layerscope.diagnose.tui.request_table import COLUMNS, SORTABLE, RequestTable
+from layerscope.diagnose.tui.screen import RunScreen
 from layerscope.diagnose.views import FilterError
 
 HEADERS = {c: h for c, h, _ in COLUMNS}
 PAGE_ROWS = 1000
 
 
-class RequestsScreen(Screen):
+FILTER_HELP = ("filter (/ on the requests screen): space-separated terms, all must match\n"
+               "  FIELD OP VALUE   fields ttft tpot e2e queue preemptions replica status layer id prompt output\n"
+               "                   ops > >= < <= = != and : (contains); times take ms/us/s (default s)\n"
+               "  e.g.  e2e>1.5s   ttft>=200ms preempt>0   replica=1   status:reject   layer:kv\n"
+               "  bare text matches request id, status and dominant layer")
+
+
+class RequestsScreen(RunScreen):
+    HELP_TOPIC = "requests"
     BINDINGS = [
         Binding("slash", "filter", "filter"),
         Binding("enter", "detail", "detail"),
@@ -38,13 +46,16 @@ class RequestsScreen(Screen):
     ]
 
     def __init__(self, run_index: int) -> None:
-        super().__init__(classes="run-screen")
+        super().__init__()
         self.run_index = run_index
         self.pages = None  # request_scan.RequestPages of the run: the selection shown
         self.sort: tuple[str, bool] = ("e2e_s", True)
         self.query_text = ""
         self.filter_error: str | None = None
         self.page = 0
+
+    def help_extra(self) -> list:
+        return [Text(""), Text(FILTER_HELP), Text("click a column header to sort by it", style="dim")]
 
     def compose(self) -> ComposeResult:
         yield Header()

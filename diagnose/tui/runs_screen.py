@@ -9,15 +9,16 @@ from __future__ import annotations
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 
 from layerscope.diagnose.tui.drill_table import DrillTable
 from layerscope.diagnose.tui.format import fmt_count
+from layerscope.diagnose.tui.screen import LayerscopeScreen
 from layerscope.diagnose.views import find_runs
 
 
-class RunsScreen(Screen):
+class RunsScreen(LayerscopeScreen):
+    HELP_TOPIC = "runs"
     BINDINGS = [
         Binding("enter", "open", "open"),
         Binding("space", "mark", "mark"),

@@ -10,11 +10,11 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, LoadingIndicator, Sparkline, Static
 
 from layerscope.diagnose.tui.format import fmt_count, fmt_s, fmt_share
 from layerscope.diagnose.tui.messages import StepsReady
+from layerscope.diagnose.tui.screen import RunScreen
 from layerscope.diagnose.views import series_stats
 
 # column of views.step_series, title, formatter
@@ -27,11 +27,12 @@ CHARTS = (
 )
 
 
-class StepsScreen(Screen):
+class StepsScreen(RunScreen):
+    HELP_TOPIC = "steps"
     BINDINGS = [Binding("escape", "back", "back")]
 
     def __init__(self, run_index: int) -> None:
-        super().__init__(classes="run-screen")
+        super().__init__()
         self.run_index = run_index
 
     def compose(self) -> ComposeResult:
