@@ -192,8 +192,12 @@ def read_server_log(path: str | Path | None) -> ServerLog | None:
 
 def finish_bundle(path: str | Path, *, before: str | None, after: str | None, scraper: Scraper | None = None,
                   log: ServerLog | None = None, info: dict[str, Any] | None = None,
-                  itls: dict[str, list[float]] | None = None, source: str = "bench") -> Path:
-    """Add the external capture to a bundle written by BundleWriter (see module doc)."""
+                  itls: dict[str, list[float]] | None = None, source: str = "bench",
+                  client_summary: dict[str, Any] | None = None) -> Path:
+    """Add the external capture to a bundle written by BundleWriter (see module doc);
+    ``client_summary`` replaces the manifest's client summary (an imported tool's own figures)."""
+    from layerscope.probes.bundle import MANIFEST, read_manifest, write_text
+
     p = Path(path)
     texts = list(scraper.texts) if scraper is not None else []
     if before is not None:
@@ -207,14 +211,15 @@ def finish_bundle(path: str | Path, *, before: str | None, after: str | None, sc
         rows = [(rid, float(x)) for rid, xs in itls.items() for x in xs]
         pq.write_table(pa.table({"request_id": [r for r, _ in rows], "itl_s": [x for _, x in rows]}, schema=ITLS),
                        p / "itls.parquet")
-    mf = p / "manifest.json"
-    manifest = json.loads(mf.read_text())
+    manifest = read_manifest(p)
+    if client_summary is not None:
+        manifest["summary"]["client"] = client_summary
     manifest["engine"] = info if info is not None else engine_info(metrics_text=after or before, log=log)
     manifest["external"] = {"source": source, "scrape": scraper.cost() if scraper is not None else None,
                             "has_metrics_before": before is not None, "has_metrics_after": after is not None,
                             "server_log": ({k: v for k, v in log.to_dict().items() if k != "config"}
                                            if log is not None else None)}
-    mf.write_text(json.dumps(manifest, indent=1, default=str))
+    write_text(p / MANIFEST, json.dumps(manifest, indent=1, default=str))
     return p
 
 

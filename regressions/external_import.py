@@ -129,14 +129,11 @@ def _import_bench(d: dict[str, Any], out: str | Path, tool: str, src: str | Path
         dur = d.get("duration")
         w.start_ns, w.end_ns = min(sends), min(sends) + int((dur or 0) * 1e9)
     path = w.write()
-    manifest_path = path / "manifest.json"
-    m = json.loads(manifest_path.read_text())
-    m["summary"]["client"] = {**_summary(d), "per_request": bool(rows)}
-    manifest_path.write_text(json.dumps(m, indent=1, default=str))
     info = engine_info(metrics_text=after or before, log=log)
     info["family"] = info["family"] or ("vllm" if tool == "vllm-bench" else "sglang")
     info["config"].setdefault("model", d.get("model_id") or d.get("model"))
-    return finish_bundle(path, before=before, after=after, log=log, info=info, itls=gaps, source=f"import-{tool}")
+    return finish_bundle(path, before=before, after=after, log=log, info=info, itls=gaps, source=f"import-{tool}",
+                         client_summary={**_summary(d), "per_request": bool(rows)})
 
 
 def import_vllm_bench(result: str | Path, out: str | Path, *, metrics: tuple[str, ...] | None = None,

@@ -4,7 +4,6 @@ command line of the run API (``layerscope.api.run`` / ``bench``)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -55,9 +54,10 @@ def print_summary(path: Path, target: str) -> None:
     """The client's summary of a bundle, as the load generator renders it."""
     from rich.console import Console
 
+    from layerscope.probes.reader import read_manifest
     from layerscope.regressions.load.loadgen import render_summary
 
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = read_manifest(path)
     title = f"{manifest['workload'].get('name', '?')} -> {target}"
     Console(stderr=False).print(render_summary(manifest["summary"]["client"], title=title))
     print(f"wrote {path}")
