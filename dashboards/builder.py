@@ -14,11 +14,9 @@ registry. A metric the layout does not mention still gets a default panel in its
 layer's row, so a metric added to the registry shows up on the next build, and a
 layout entry that names a metric the registry lacks fails the build.
 
-Two dashboards: ``layerscope-overview`` (request latencies, throughput, goodput,
-errors, request rate) and ``layerscope-layers`` (one row per layer of the serving
-stack). Both take a Prometheus datasource as an import input (``DS_PROMETHEUS``) and
-have ``model_name`` and ``replica`` template variables. Output is deterministic: a
-rebuild is byte-identical.
+Two dashboards, ``layerscope-overview`` (latencies, throughput, goodput, errors, request rate)
+and ``layerscope-layers`` (a row per layer), with a ``DS_PROMETHEUS`` import input and
+``model_name`` / ``replica`` variables; a rebuild is byte-identical.
 
 Why one file past 400 lines: the two dashboards' layouts are data (rows of panels per layer) and
 read best in one place beside the few panel builders they call; splitting them would scatter one

@@ -171,8 +171,8 @@ def same_software(a: Mapping[str, Any], b: Mapping[str, Any], diff: pd.DataFrame
     ``a``/``b``: the runs' manifests; ``diff``: their ``config_diff``. Only for runs of this project's
     engine (a resolved config, no ``external`` capture: an external engine's or a client-only bundle
     records layerscope's own checkout, not the server's software). The same: one git commit,
-    both work trees clean or holding the same uncommitted change (``git_diff_sha``, recorded since
-    2026-12-03; an older dirty bundle is not known to be the same), no config, resolved or version
+    both work trees clean or holding the same uncommitted change (``git_diff_sha``; a dirty bundle
+    written before it was recorded is not known to be the same), no config, resolved or version
     row in the diff, the same injected faults (``load``'s ``injected_digest``: whether, never which) and
     probe level. Hardware may differ: that is the machine.
     What the bundle does not record (environment variables outside the config, a checkpoint

@@ -1,29 +1,10 @@
 """``layerscope regress bisect GOOD..BAD SUITE``: the first bad commit, and why.
 
-1. Calibrate: one regress session GOOD vs BAD (``--repetitions``, default the suite's)
-   picks the cell (workload x config) and the metric (or ``--metric``): gated before
-   merely significant, then the one whose change stands clearest of its spread (fewest
-   repetitions needed, step 2); nothing worse is exit status 1, nothing to bisect.
-2. Size the steps: unless ``--repetitions`` is given, each later step runs
-   ``n = ceil(8 z^2 s^2 / d^2)`` repetitions per version (clamped to 2..10), where ``d``
-   is the GOOD -> BAD change and ``s`` the spread of one repetition's value (both on the
-   log scale, from the calibration's repetitions) and z = 2.5: a commit is judged by
-   which side of the midpoint ``d/2`` it falls on, so ``d/2`` must stand clear of the
-   difference of two n-repetition means (error about 1% per step).
-3. Binary search over ``git rev-list --first-parent --ancestry-path GOOD..BAD``: each
-   step is a regress session GOOD vs the middle commit (repetitions interleaved, so the
-   machine's drift hits both); the commit is bad when its change from GOOD is at least
-   half the GOOD -> BAD change of the metric on the log scale (a ratio past the geometric
-   midpoint: 5x from GOOD to BAD puts it at 2.24x, not at 3x). Latencies and rates vary by
-   ratios from run to run (diagnose's spreads are SDs of logs), so a large change measured
-   with a slow GOOD in one session and a fast one in another stays on its side.
-4. Diagnose the first bad commit against its parent (one more session) and print: the
-   commit, the metric and its change, the layer (regress's diagnosis; diagnose's
-   finding on the representative repetitions when the change is not gated), the config
-   diff (defaults that changed included) and the files the commit touched.
-
-Every session is stored (``OUT/results.sqlite`` or ``--store``), so ``regress history``
-sees the bisect's measurements too.
+A calibration session (GOOD vs BAD) picks the cell and metric and sizes the repetitions each
+later step needs; a binary search over the first-parent commits then runs GOOD vs the middle
+commit, which is bad when its change from GOOD passes the geometric midpoint of the GOOD -> BAD
+change; the first bad commit is diagnosed against its parent. Every session is stored, so
+``regress history`` sees them too. The rule and its sizing in full: docs/regress.md, "Bisect".
 """
 
 from __future__ import annotations

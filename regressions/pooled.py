@@ -1,32 +1,10 @@
 """Compare two versions over all their repetitions, with diagnose's significance rule.
 
-One repetition of a small suite has a few dozen requests; pooling the repetitions of
-a version (their requests, their engine steps, each repetition kept in arrival order
-and the repetitions one after another) gives the significance test of
-``layerscope.diagnose.stats`` the samples it needs, and a run-to-run shift between
-repetitions widens the block-bootstrap CI, as it should. The estimators are those of
-``layerscope.diagnose.comparison``, applied to the pooled samples:
-
-- latency quantiles (TTFT/TPOT p50 p99, E2E p50): ``compare_quantile`` over the pooled
-  per-request values;
-- output tokens/s: the headline is pooled output tokens / pooled busy seconds; its CI
-  comes from ``compare_rate`` over the pooled steps (tokens, own duration), shifted
-  onto the headline; below saturation it is only called when the served share of the
-  offered load moved too (as in diagnose);
-- goodput: requests meeting every SLO / pooled busy seconds; called when it moves by
-  the minimum effect and the met share moves by 5 points with a CI excluding zero.
-
-When a session includes an endpoint version (``layerscope bench``: only the client
-saw the requests), every version is measured as its client saw it: ``ClientView``
-gives a run the same ``ok`` / ``busy_s`` shape from the client_* columns, so the
-estimators above apply unchanged (throughput then has no engine steps to bootstrap,
-so it is reported but never called significant).
-
-Sensitivity: the run is the unit of run-to-run spread (``compare_versions``): the
-repetitions' values give a t-test between the versions (``run_level``; paired by round from
-``stats.PAIRED_MIN_PAIRS`` rounds on, when the caller says which runs shared one), the measured
-spread and the minimum detectable effect; ``gate`` calls a regression only when the
-pooled test and, with 2+ repetitions a side, the run-level test agree.
+Pooling a version's repetitions (requests and engine steps, each repetition in arrival order)
+gives ``diagnose.stats`` the samples it needs, with ``diagnose.comparison``'s estimators applied
+to them; ``ClientView`` measures every version as its client saw it when a session includes an
+endpoint. ``compare_versions`` adds the run-level test, and ``gate`` calls a regression only when
+the pooled and run-level tests agree. The estimators in full: docs/regress.md, "Pooled comparison".
 
 All figures in seconds, tokens/s, requests/s.
 """

@@ -1,31 +1,14 @@
 """``layerscope regress``: run a suite across versions, store, compare, attribute, gate.
 
-One session, in order:
+One session: validate everything before writing anything; run every (version x workload x
+config x repetition) as its own ``layerscope run`` (``bench`` for endpoints) in a subprocess,
+repetitions interleaved across versions so a shared machine's drift hits them alike; compare each
+version with the baseline (``pooled``), gate, diagnose each regression, write the report.
+Exit status (``exit_status``): 0 no regression; 1 a gated regression or a candidate's runs
+failed; 2 usage or suite errors, or the baseline could not be measured.
 
-1. validate everything before writing anything: the suite, the versions (revisions
-   exist, endpoints answer, each checkout imports its own code and has ``layerscope
-   run``), the results directory; a failure here leaves OUT exactly as it was;
-2. run every (version x workload x config x repetition) as its own ``layerscope run``
-   (``bench`` for endpoints) in a subprocess, repetitions interleaved across versions
-   (A1 B1 A2 B2 ...) so that drift of a shared machine hits every version alike; each
-   run is a bundle under ``OUT/SESSION/runs/VERSION/WORKLOAD/CONFIG/repN`` and a row
-   of the result store;
-3. compare every version with the first (the baseline) per workload x config, pooling
-   repetitions (``pooled``: diagnose's significance rule); a metric regresses when it
-   got significantly worse by more than the suite's threshold for it, consistently
-   across repetitions (``gate``);
-4. for each regressed pair, diagnose (``layerscope.diagnose.compare``) on the
-   representative repetitions: which layer, why, which config change; and the config
-   diff of every version against the baseline (defaults that changed included);
-5. write the report (``report``: Markdown, HTML + plots, result.json).
-
-Exit status (``exit_status``): 0 no regression; 1 a metric regressed beyond its
-threshold with significance, or a candidate's runs failed; 2 usage or suite errors,
-or the baseline could not be measured.
-
-Results directory: ``OUT/results.sqlite`` (unless ``--store``) accumulates across
-sessions; ``OUT/models/`` caches created preset models; ``OUT/SESSION/`` holds one
-session (SESSION = UTC time + suite name).
+Results: ``OUT/results.sqlite`` (unless ``--store``) accumulates across sessions, ``OUT/models/``
+caches created presets, ``OUT/SESSION/`` holds one session. The steps in full: docs/regress.md.
 """
 
 from __future__ import annotations

@@ -271,20 +271,35 @@ def to_html(bl: list[tuple[str, Any]], title: str) -> str:
 
 # ---- plots --------------------------------------------------------------------------------------
 def plot_cell(result, cell: dict, dest: Path) -> list[Path]:
-    """Write the metrics and CDF plots of one workload x config; returns their paths."""
+    """Write the metrics and CDF plots of one workload x config (and its history across sessions,
+    when there are two or more); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from layerscope.regressions.pooled import pooled_values
-
     dest.mkdir(parents=True, exist_ok=True)
     labels = [v.label for v in result.versions]
     colors = {lab: _COLORS[i % len(_COLORS)] for i, lab in enumerate(labels)}
     slug = _slug(cell)
-    paths = []
+    paths = [_save(_metrics_figure(result, cell, labels, colors), dest / f"metrics_{slug}.png"),
+             _save(_cdf_figure(cell, labels, colors), dest / f"cdf_{slug}.png")]
+    history = _history_figure(result, cell)
+    if history is not None:
+        paths.append(_save(history, dest / f"history_{slug}.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _metrics_figure(result, cell: dict, labels: list[str], colors: dict[str, str]):
+    """One bar per version and headline metric: pooled value, CI whiskers, repetitions as dots."""
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(14, 6.5))
     for ax, (m, title) in zip(axes.flat, METRICS.items()):
@@ -311,11 +326,15 @@ def plot_cell(result, cell: dict, dest: Path) -> list[Path]:
                                "  (rates: range of repetitions)\ndots: single repetitions\n"
                                "red edge: regressed beyond threshold", fontsize=9)
     fig.suptitle(f"{result.suite.name}: {cell['workload']} / {cell['config']}")
-    fig.tight_layout()
-    p = dest / f"metrics_{slug}.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    paths.append(p)
+    return fig
+
+
+def _cdf_figure(cell: dict, labels: list[str], colors: dict[str, str]):
+    """TTFT, TPOT and E2E CDFs of each version, pooled over its repetitions."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from layerscope.regressions.pooled import pooled_values
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, metric in zip(axes, ("ttft", "tpot", "e2e")):
@@ -332,36 +351,33 @@ def plot_cell(result, cell: dict, dest: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = dest / f"cdf_{slug}.png"
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    paths.append(p)
+    return fig
+
+
+def _history_figure(result, cell: dict):
+    """Each revision's medians across the sessions of the history (None: fewer than two sessions)."""
+    import matplotlib.pyplot as plt
 
     t = _trend(result, cell)
-    if t["session"].nunique() >= 2:
-        sessions = list(dict.fromkeys(t["session"]))
-        fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
-        for ax, (m, title) in zip(axes, (("ttft_p50_s", "TTFT p50 (ms)"), ("tpot_p50_s", "TPOT p50 (ms)"),
-                                         ("output_tokens_per_s", "output tokens/s"))):
-            scale = 1.0 if m in HIGHER_IS_BETTER else 1000.0
-            for i, (rev, g) in enumerate(t.groupby("git_rev", sort=False, dropna=False)):
-                color = _COLORS[i % len(_COLORS)]
-                x = [sessions.index(sx) for sx in g["session"]]  # every version of every session: a dot
-                ax.scatter(x, g[m] * scale, color=color, s=14)
-                mean = g.groupby("session", sort=False)[m].mean()  # the revision's line: mean per session
-                ax.plot([sessions.index(sx) for sx in mean.index], mean * scale, "-", color=color,
-                        label=str(rev)[:10] if isinstance(rev, str) else "endpoint")
-            ax.set_title(title, fontsize=10)
-            ax.set_xticks(range(len(sessions)), [sx[:15] for sx in sessions], rotation=25, fontsize=7)
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7, title="git rev", title_fontsize=7)
-        fig.tight_layout()
-        p = dest / f"history_{slug}.png"
-        fig.savefig(p, dpi=90)
-        plt.close(fig)
-        paths.append(p)
-    return paths
+    if t["session"].nunique() < 2:
+        return None
+    sessions = list(dict.fromkeys(t["session"]))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    for ax, (m, title) in zip(axes, (("ttft_p50_s", "TTFT p50 (ms)"), ("tpot_p50_s", "TPOT p50 (ms)"),
+                                     ("output_tokens_per_s", "output tokens/s"))):
+        scale = 1.0 if m in HIGHER_IS_BETTER else 1000.0
+        for i, (rev, g) in enumerate(t.groupby("git_rev", sort=False, dropna=False)):
+            color = _COLORS[i % len(_COLORS)]
+            x = [sessions.index(sx) for sx in g["session"]]  # every version of every session: a dot
+            ax.scatter(x, g[m] * scale, color=color, s=14)
+            mean = g.groupby("session", sort=False)[m].mean()  # the revision's line: mean per session
+            ax.plot([sessions.index(sx) for sx in mean.index], mean * scale, "-", color=color,
+                    label=str(rev)[:10] if isinstance(rev, str) else "endpoint")
+        ax.set_title(title, fontsize=10)
+        ax.set_xticks(range(len(sessions)), [sx[:15] for sx in sessions], rotation=25, fontsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, title="git rev", title_fontsize=7)
+    return fig
 
 
 def write_reports(result) -> dict[str, Path]:

@@ -1,44 +1,10 @@
 """Regression suites: what ``layerscope regress`` runs for every version, read from TOML.
 
-A suite names the model, the workloads (built-in names or files, each with a seed and
-spec overrides), the engine/gateway configs (named sets of ``--set`` overrides), the
-repetitions, the SLOs for goodput and the gate: per metric, the largest regression
-(in percent) tolerated before CI fails. Everything is validated here, before any run
-starts or any file is written, so a bad suite costs nothing::
-
-    name = "smoke"
-    repetitions = 2
-    versions = ["HEAD~1", "HEAD"]        # optional default for --versions
-
-    [model]                              # a preset to create ...
-    arch = "llama"
-    preset = "tiny"
-    seed = 0
-    # path = "models/my-model"           # ... or an existing checkpoint directory
-
-    [[workloads]]
-    name = "burst"                       # label in reports (default: the workload)
-    workload = "burst"                   # built-in name, or a .toml/.json workload file
-    seed = 0
-    params = { num_requests = 24 }       # WorkloadSpec field overrides
-
-    [configs.default]                    # name -> engine/gateway config keys
-    [configs.no-prefix-cache]
-    enable_prefix_caching = false
-
-    [run]                                # how each run is made
-    probes = "default"
-    replicas = 1
-    timeout_s = 300
-
-    [slo]                                # seconds; goodput counts requests meeting all
-    ttft_s = 2.0
-
-    [thresholds]                         # metric -> max regression, percent
-    ttft_p50_s = 25
-    output_tokens_per_s = 15
-
-Relative paths (workload files, the model path) are relative to the suite file.
+A suite names the model, the workloads, the engine/gateway configs (named sets of ``--set``
+overrides), the repetitions, the SLOs for goodput and the gate (per metric, the largest
+regression in percent tolerated before CI fails). Everything is validated here, before any run
+starts or any file is written, so a bad suite costs nothing. Relative paths are relative to the
+suite file. The format, with an example: docs/regress.md, "Suites".
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """``layerscope bench`` speaks ``vllm bench serve``: its flags, its datasets, its result JSON.
 
-Someone with a history of ``vllm bench serve --save-result`` files types the same flags
-here and gets a file a script reading those results accepts, next to a layerscope
-bundle. Checked against vLLM 0.32's ``vllm/benchmarks/serve.py`` (``add_cli_args``,
-``calculate_metrics``, ``main_async``):
-
-- the server: ``--base-url`` (or ``--host``/``--port``) plus ``--endpoint`` as the API path
-  (``/v1/completions``, vLLM's default, or ``/v1/chat/completions``). Our older
-  ``--endpoint URL`` (a full URL) still means the server: a URL and a path cannot be confused.
-- the workload: ``--dataset-name random|sharegpt|custom`` (``--dataset-path`` for a local
-  file), ``--num-prompts``, ``--request-rate`` (``inf``: all at t=0), ``--burstiness``,
-  ``--max-concurrency``, ``--random-input-len/--random-output-len/--random-range-ratio``,
-  ``--input-len/--output-len``, ``--goodput ttft:MS tpot:MS e2el:MS``, ``--seed``.
-  ``random`` is the built-in ``random`` workload (same lengths rule as vLLM's); sharegpt
-  and custom files become explicit requests. With ``--workload`` (our style) the aliases
-  ``--num-prompts``, ``--request-rate``, ``--max-concurrency``, ``--goodput`` still apply.
-- the result: ``vllm_result.json`` in the bundle (always), and with ``--save-result`` a
-  copy at ``--result-dir``/``--result-filename`` (vLLM's default name otherwise). Keys
-  and units as vLLM writes them (ms for latencies, per-request arrays in seconds, kept
-  only with ``--save-detailed``); ``--percentile-metrics`` (default ``ttft,tpot,itl`` as
-  vLLM's) and ``--metric-percentiles`` (default ``99``) choose the ``pNN_*_ms`` keys.
-
-Differences that remain: prompts are our word text, not vLLM's token-id sequences (the
-same lengths, drawn as vLLM draws them); ``input_lens`` are the client's counts for the
-random dataset with a tokenizer (as vLLM's), else the server's ``usage.prompt_tokens``.
+Someone with a history of ``vllm bench serve --save-result`` files types the same flags here and
+gets a file a script reading those results accepts, next to a layerscope bundle; checked against
+vLLM 0.32's ``vllm/benchmarks/serve.py``. The flags, the result keys and what still differs:
+docs/regress.md, "`layerscope bench` and `vllm bench serve`".
 
 (Over 400 lines: the flags, their translation and the result writer are one contract with
 vLLM's ``serve.py``, kept in one file so that it can be read side by side with it.)

@@ -45,6 +45,7 @@ from layerscope.engine.gateway.messages import (
     TokenDelta,
 )
 from layerscope.engine.recorder import Recorder, RecorderFactory
+from layerscope.engine.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,9 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
     # Ctrl-C reaches the whole process group: the gateway stops us. SIGTERM (to us or the
     # group) ends the loop cleanly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    terminated = []
+    terminated: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: terminated.append(True))
     from layerscope.engine.llm_engine import LLMEngine
-    from layerscope.engine.sampling_params import InvalidRequestError
 
     try:
         recorder: Recorder = recorders.engine(index, model_name, ship_records=ship_records)
@@ -87,24 +87,46 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
         outbox.put(Fatal(f"replica {index} failed to start: {type(e).__name__}: {e}"))
         return
     outbox.put(Ready(index, os.getpid(), engine.resolved.to_dict(), engine.max_model_len, warmup))
-    ships = bool(getattr(recorder, "ships", False))
-
-    def snapshot() -> MetricsSnapshot:
-        stats = engine.stats()
-        if ships:
-            try:
-                drained = recorder.drain()
-            except Exception:  # noqa: BLE001 - a broken drain loses its records, not the replica
-                logger.exception("replica %d: drain() failed", index)
-                drained = None
-            return MetricsSnapshot([], stats, drained)
-        return MetricsSnapshot(recorder.metric_families(stats), stats)
-
-    outbox.put(snapshot())  # the idle state, before the first request
-    parent = mp.parent_process()
-    last_push = time.monotonic()
-    dirty = False
+    replica = _Replica(index, engine, recorder, outbox)
     try:
+        replica.serve(inbox, terminated)
+    except Exception:  # noqa: BLE001 - the engine broke: tell the gateway, then exit
+        outbox.put(Fatal(f"replica {index} crashed:\n{traceback.format_exc()}"))
+    finally:
+        try:
+            engine.shutdown()
+            recorder.shutdown()
+        finally:
+            outbox.put(Exited())
+
+
+class _Replica:
+    """The loop of a started replica: the inbox between steps, a step, a metrics push when due."""
+
+    def __init__(self, index: int, engine, recorder: Recorder, outbox) -> None:
+        self.index, self.engine, self.recorder, self.outbox = index, engine, recorder, outbox
+        self.ships = bool(getattr(recorder, "ships", False))
+        self.last_push = time.monotonic()
+        self.dirty = False  # something changed since the last metrics push
+
+    def drain(self) -> dict | None:
+        """The recorder's ``drain()``; a broken drain loses its records, not the replica."""
+        try:
+            return self.recorder.drain()
+        except Exception:  # noqa: BLE001
+            logger.exception("replica %d: drain() failed", self.index)
+            return None
+
+    def snapshot(self) -> MetricsSnapshot:
+        stats = self.engine.stats()
+        if self.ships:
+            return MetricsSnapshot([], stats, self.drain())
+        return MetricsSnapshot(self.recorder.metric_families(stats), stats)
+
+    def serve(self, inbox, terminated: list[bool]) -> None:
+        engine, outbox = self.engine, self.outbox
+        outbox.put(self.snapshot())  # the idle state, before the first request
+        parent = mp.parent_process()
         while True:
             busy = engine.has_unfinished_requests()
             msgs = []
@@ -115,63 +137,56 @@ def replica_main(index: int, config, faults: Faults, recorders: RecorderFactory,
             except queue.Empty:
                 pass
             if not msgs and not busy and parent is not None and not parent.is_alive():
-                break  # the gateway died without telling us
+                return  # the gateway died without telling us
             stop = False
             for msg in msgs:
-                if isinstance(msg, AddRequest):
-                    rid = msg.request_id
-                    if msg.traceparent:
-                        recorder.set_traceparent(rid, msg.traceparent)
-                    recorder.set_request_timestamps(rid, **msg.gateway_fields)
-                    try:
-                        engine.add_request(msg.prompt_token_ids, msg.params, request_id=rid,
-                                           arrival_ns=time.monotonic_ns())
-                    except InvalidRequestError as e:
-                        outbox.put(RequestError(rid, str(e)))
-                elif isinstance(msg, AbortRequest):
-                    engine.abort_request(msg.request_id)
-                elif isinstance(msg, CollectRecords):
-                    recorder.stop()  # ends the recording window (profiler, py-spy); the replica keeps serving
-                    outbox.put(Records(recorder.export()))
-                elif isinstance(msg, DrainRecords):
-                    if ships:  # the drain goes with a push, which the gateway answers the request with
-                        outbox.put(snapshot())
-                        outbox.put(Drained(None))
-                        last_push = time.monotonic()
-                        continue
-                    try:
-                        drained = recorder.drain()
-                    except Exception:  # noqa: BLE001 - a broken drain loses one part, not the replica
-                        logger.exception("replica %d: drain() failed", index)
-                        drained = None
-                    outbox.put(Drained(drained))
-                elif isinstance(msg, Shutdown):
-                    stop = True
-                else:
-                    raise TypeError(f"replica {index}: unknown message {type(msg).__name__}")
-                dirty = True
+                stop = self.handle(msg) or stop
             if stop or terminated:
-                break
+                return
             if engine.has_unfinished_requests():
                 outs = engine.step()
                 if outs:
                     outbox.put(Outputs([_delta(o) for o in outs]))
-                    dirty = True
+                    self.dirty = True
                 else:
                     time.sleep(0.001)  # nothing schedulable this instant; don't spin
             now = time.monotonic()
             idle = not engine.has_unfinished_requests()
-            if dirty and (idle or now - last_push >= METRICS_INTERVAL_S):
-                outbox.put(snapshot())
-                last_push, dirty = now, False
-    except Exception:  # noqa: BLE001 - the engine broke: tell the gateway, then exit
-        outbox.put(Fatal(f"replica {index} crashed:\n{traceback.format_exc()}"))
-    finally:
-        try:
-            engine.shutdown()
-            recorder.shutdown()
-        finally:
-            outbox.put(Exited())
+            if self.dirty and (idle or now - self.last_push >= METRICS_INTERVAL_S):
+                outbox.put(self.snapshot())
+                self.last_push, self.dirty = now, False
+
+    def handle(self, msg) -> bool:
+        """Act on one inbox message; True for Shutdown."""
+        engine, recorder, outbox = self.engine, self.recorder, self.outbox
+        if isinstance(msg, AddRequest):
+            rid = msg.request_id
+            if msg.traceparent:
+                recorder.set_traceparent(rid, msg.traceparent)
+            recorder.set_request_timestamps(rid, **msg.gateway_fields)
+            try:
+                engine.add_request(msg.prompt_token_ids, msg.params, request_id=rid, arrival_ns=time.monotonic_ns())
+            except InvalidRequestError as e:
+                outbox.put(RequestError(rid, str(e)))
+        elif isinstance(msg, AbortRequest):
+            engine.abort_request(msg.request_id)
+        elif isinstance(msg, CollectRecords):
+            recorder.stop()  # ends the recording window (profiler, py-spy); the replica keeps serving
+            outbox.put(Records(recorder.export()))
+        elif isinstance(msg, DrainRecords):
+            if self.ships:  # the drain goes with a push, which the gateway answers the request with
+                outbox.put(self.snapshot())
+                outbox.put(Drained(None))
+                self.last_push = time.monotonic()
+                return False
+            outbox.put(Drained(self.drain()))
+        elif isinstance(msg, Shutdown):
+            self.dirty = True
+            return True
+        else:
+            raise TypeError(f"replica {self.index}: unknown message {type(msg).__name__}")
+        self.dirty = True
+        return False
 
 
 # ---- parent side --------------------------------------------------------------------------------

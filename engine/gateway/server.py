@@ -63,73 +63,36 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-def create_app(gateway: Gateway, api_key: str | None = None,
-               metrics_extra: Callable[[Gateway, bytes], bytes] | None = None) -> FastAPI:
-    """``metrics_extra(gateway, exposition)``: more exposition text appended to /metrics (e.g. the
-    registry under vLLM's names, which ``layerscope serve --metrics-dialect vllm`` hands in)."""
+class _Api:
+    """What the routes share: the gateway, the API key and the model names a request may name."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        gateway.attach(asyncio.get_running_loop())
-        yield
+    def __init__(self, gateway: Gateway, api_key: str | None) -> None:
+        self.gateway, self.api_key = gateway, api_key
+        self.names = {gateway.model_name}
+        if gateway.model_name == gateway.config.model:
+            self.names.add(Path(gateway.config.model).name)  # the directory's name also works
 
-    app = FastAPI(title="layerscope", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    names = {gateway.model_name}
-    if gateway.model_name == gateway.config.model:
-        names.add(Path(gateway.config.model).name)  # the directory's name also works
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       type=kind))
-
-    def check_key(request: Request) -> None:
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+    def check_key(self, request: Request) -> None:
+        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            type="authentication_error", code="invalid_api_key")
 
-    @app.get("/health")
-    async def health() -> Response:
-        if gateway.is_healthy:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        text = gateway.metrics_text()
-        if metrics_extra is not None:
-            text += metrics_extra(gateway, text)
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        try:
-            check_key(request)
-        except APIError as e:
-            return error_response(e)
-        card = {"id": gateway.model_name, "object": "model", "created": int(time.time()), "owned_by": "layerscope",
-                "root": gateway.config.model, "max_model_len": gateway.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
-
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{gateway.model_name}`.",
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.gateway.model_name}`.",
                            type="not_found_error", param="model", code="model_not_found")
 
-    async def parsed(request: Request, model: type):
+    async def parsed(self, request: Request, model: type):
         """The key checked, the body parsed as ``model`` and its model name checked (APIError)."""
-        check_key(request)
+        self.check_key(request)
         req = parse_body(await request.body(), model)
-        check_model(req.model)
+        self.check_model(req.model)
         return req
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
+    async def tokenize(self, request: Request) -> Response:
+        gateway = self.gateway
         try:
-            req = await parsed(request, TokenizeRequest)
+            req = await self.parsed(request, TokenizeRequest)
             if (req.prompt is None) == (req.messages is None):
                 raise APIError(400, "send exactly one of `prompt` or `messages`", param="prompt")
             chat = req.chat()
@@ -140,24 +103,17 @@ def create_app(gateway: Gateway, api_key: str | None = None,
         return JSONResponse({"count": len(ids), "max_model_len": gateway.max_model_len, "tokens": ids,
                              "token_strs": None})
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        try:
-            req = await parsed(request, DetokenizeRequest)
-            ids = gateway.tokenize(req.tokens)  # ids outside the vocabulary are a 400 naming it
-        except APIError as e:
-            return error_response(e)
-        return JSONResponse({"prompt": gateway.tokenizer.decode(ids)})
-
-    async def handle(request: Request, chat: bool) -> Response:
+    async def generate(self, request: Request, chat: bool) -> Response:
+        """A completion or chat completion: checked, admitted, then streamed (SSE) or answered whole."""
+        gateway = self.gateway
         rec = gateway.new_record("chat" if chat else "completions", False, request.headers.get("x-session-id"),
                                  traceparent=request.headers.get("traceparent"))
         try:
-            check_key(request)
+            self.check_key(request)
             req = parse_body(await request.body(), ChatCompletionRequest if chat else CompletionRequest)
             rec.stream = req.stream
             rec.session_id = rec.session_id or req.user
-            check_model(req.model)
+            self.check_model(req.model)
             if chat:
                 ids = gateway.tokenize(render_chat(gateway.tokenizer, req))
                 max_tokens = req.requested_max_tokens
@@ -189,13 +145,71 @@ def create_app(gateway: Gateway, api_key: str | None = None,
         finally:
             gone.cancel()
 
+
+def create_app(gateway: Gateway, api_key: str | None = None,
+               metrics_extra: Callable[[Gateway, bytes], bytes] | None = None) -> FastAPI:
+    """``metrics_extra(gateway, exposition)``: more exposition text appended to /metrics (e.g. the
+    registry under vLLM's names, which ``layerscope serve --metrics-dialect vllm`` hands in)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gateway.attach(asyncio.get_running_loop())
+        yield
+
+    app = FastAPI(title="layerscope", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    api = _Api(gateway, api_key)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       type=kind))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if gateway.is_healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        text = gateway.metrics_text()
+        if metrics_extra is not None:
+            text += metrics_extra(gateway, text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            api.check_key(request)
+        except APIError as e:
+            return error_response(e)
+        card = {"id": gateway.model_name, "object": "model", "created": int(time.time()), "owned_by": "layerscope",
+                "root": gateway.config.model, "max_model_len": gateway.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await api.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            req = await api.parsed(request, DetokenizeRequest)
+            ids = gateway.tokenize(req.tokens)  # ids outside the vocabulary are a 400 naming it
+        except APIError as e:
+            return error_response(e)
+        return JSONResponse({"prompt": gateway.tokenizer.decode(ids)})
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await handle(request, chat=False)
+        return await api.generate(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await handle(request, chat=True)
+        return await api.generate(request, chat=True)
 
     return app
 

@@ -1,32 +1,11 @@
 """Workloads: what a load generator sends, and when. Seeded and deterministic.
 
-A ``WorkloadSpec`` (a frozen record, saved in the run manifest) expands into a list
-of ``RequestSpec`` with ``build(tokenizer=None)``. Lengths are in tokens: exact when a
-tokenizer is given (``layerscope run`` passes the model's), otherwise approximated
-at ``TOKENS_PER_WORD`` tokens per word (typical of 30k-150k vocabularies).
-
-Built-ins, sized for the tiny model on two CPU cores (scale with ``num_requests``,
-``rate``, the length fields):
-
-- ``chat``: log-normal prompt and output lengths, Poisson arrivals.
-- ``agentic``: multi-turn sessions. Every turn re-sends one of ``num_agents`` long
-  shared system prompts with tool definitions, then the session's growing history;
-  a session's next turn is sent ``think_time_s`` after the previous one finished.
-  Prefix-heavy: what prefix caching and prefix-affinity routing are for.
-- ``long-context``: few, long prompts near the context window; short outputs.
-- ``burst``: groups of ``burst_size`` requests at once every ``burst_interval_s``.
-- ``offline``: every request at t=0 (a throughput run).
-- ``random``: ``vllm bench serve --dataset-name random``: lengths uniform in
-  ``[L * (1 - range_ratio), L * (1 + range_ratio)]``, the prompt's special tokens
-  counted in ``input_len`` (when a tokenizer is given), completions API, ignore_eos.
-
-Arrivals: gaps are Gamma(shape=burstiness, mean=1/rate), so burstiness 1 is Poisson
-and smaller is burstier (vLLM's benchmark convention); ``ramp_up_s`` warps time so
-the rate rises linearly from 0 to ``rate``. ``rate <= 0`` means all at t=0.
-
-Custom workloads: a TOML or JSON file with spec fields (``base = "chat"`` starts from
-a built-in), and optionally explicit ``[[requests]]`` tables with ``prompt`` or
-``messages``, ``max_tokens``, ``arrival_s``, ``session_id``.
+A ``WorkloadSpec`` (a frozen record, saved in the run manifest) expands into ``RequestSpec``s
+with ``build(tokenizer=None)``; lengths are in tokens, exact with a tokenizer, else approximated
+at ``TOKENS_PER_WORD``. Built-ins: ``chat``, ``agentic``, ``long-context``, ``burst``, ``offline``,
+``random`` (vLLM's random dataset). Arrival gaps are Gamma(shape=burstiness, mean=1/rate);
+custom workloads are TOML/JSON files of spec fields and optional explicit ``[[requests]]``.
+Each built-in and the file format: docs/regress.md, "Workloads".
 """
 
 from __future__ import annotations
