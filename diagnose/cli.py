@@ -11,7 +11,7 @@ import math
 import sys
 from typing import Any
 
-from layerscope.diagnose.errors import RunError
+from layerscope.diagnose.errors import RunError, runs_arg_error
 
 
 def add_parser(sub) -> None:
@@ -71,11 +71,9 @@ def _load(path: str, args: argparse.Namespace):
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from layerscope.diagnose import render
 
-    if len(args.runs) > 2:
-        print("layerscope diagnose: give one run, or a baseline and a candidate", file=sys.stderr)
-        return 2
-    if args.follow and len(args.runs) != 1:
-        print("layerscope diagnose: --follow takes one run", file=sys.stderr)
+    error = runs_arg_error(args.runs, args.follow)
+    if error:
+        print(f"layerscope diagnose: {error}", file=sys.stderr)
         return 2
     if args.follow:
         return _follow(args)

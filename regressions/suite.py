@@ -14,7 +14,7 @@ import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from layerscope.engine.models import registry
 
@@ -252,25 +252,22 @@ def _run(d: Any, where: str) -> RunOptions:
 
 
 def _slo(d: Any, where: str) -> dict[str, float]:
-    d = _table(d, f"{where}: [slo]")
-    _known(d, set(SLO_KEYS), f"{where}: [slo]")
-    out = {}
-    for k, v in d.items():
-        v = float(_typed(v, (int, float), f"{where}: slo.{k}"))
-        if v <= 0:
-            raise SuiteError(f"{where}: slo.{k} must be > 0 seconds, got {v}")
-        out[k] = v
-    return out
+    return _numbers(d, SLO_KEYS, where, "slo", lambda v: v > 0, "must be > 0 seconds")
 
 
 def _thresholds(d: Any, where: str) -> dict[str, float]:
-    d = _table(d, f"{where}: [thresholds]")
-    _known(d, set(METRICS), f"{where}: [thresholds]")
+    return _numbers(d, METRICS, where, "thresholds", lambda v: v >= 0, "is a percentage >= 0")
+
+
+def _numbers(d: Any, keys, where: str, section: str, ok: Callable[[float], bool], rule: str) -> dict[str, float]:
+    """The ``[section]`` table of ``keys`` -> numbers, each checked by ``ok`` (else: ``section.key rule``)."""
+    d = _table(d, f"{where}: [{section}]")
+    _known(d, set(keys), f"{where}: [{section}]")
     out = {}
     for k, v in d.items():
-        v = float(_typed(v, (int, float), f"{where}: thresholds.{k}"))
-        if v < 0:
-            raise SuiteError(f"{where}: thresholds.{k} is a percentage >= 0, got {v}")
+        v = float(_typed(v, (int, float), f"{where}: {section}.{k}"))
+        if not ok(v):
+            raise SuiteError(f"{where}: {section}.{k} {rule}, got {v}")
         out[k] = v
     return out
 

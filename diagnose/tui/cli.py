@@ -35,11 +35,11 @@ def runs_folder(arg: str | None = None) -> str:
 
 
 def cmd_tui(args: argparse.Namespace) -> int:
-    if len(args.runs) > 2:
-        print("layerscope tui: give one run, or a baseline and a candidate", file=sys.stderr)
-        return 2
-    if args.follow and len(args.runs) != 1:
-        print("layerscope tui: --follow takes one run", file=sys.stderr)
+    from layerscope.diagnose.errors import runs_arg_error
+
+    error = runs_arg_error(args.runs, args.follow)
+    if error:
+        print(f"layerscope tui: {error}", file=sys.stderr)
         return 2
     if args.follow and not args.interval > 0:
         print(f"layerscope tui: --interval must be > 0 seconds, got {args.interval}", file=sys.stderr)

@@ -20,8 +20,7 @@ SIDES = ("baseline", "candidate")
 SIDE_COLUMNS = ("request_id", "ttft_s", "tpot_s", "e2e_s", "queue_s", "num_preemptions", "dominant_layer")
 
 
-class CompareScreen(RunScreen):
-    HELP_TOPIC = "compare"
+class CompareScreen(RunScreen, topic="compare"):
     BINDINGS = [
         Binding("enter", "detail", "detail"),
         Binding("tab", "focus_next", "switch table", show=False),

@@ -26,8 +26,7 @@ STEP_COLUMNS = (("step_id", "step"), ("at_s", "at"), ("kind", "kind"), ("num_tok
                 ("kv_usage", "KV used"), ("probes", "timed/profiled"))
 
 
-class DetailScreen(RunScreen):
-    HELP_TOPIC = "detail"
+class DetailScreen(RunScreen, topic="detail"):
     BINDINGS = [
         Binding("escape", "back", "back"),
         Binding("n", "next", "next request"),

@@ -11,8 +11,7 @@ from textual.widgets import Footer, Header, Static
 from layerscope.diagnose.tui.screen import LayerscopeScreen
 
 
-class ErrorScreen(LayerscopeScreen):
-    HELP_TOPIC = "error"
+class ErrorScreen(LayerscopeScreen, topic="error"):
     BINDINGS = [Binding("escape", "back", "back")]
 
     def __init__(self, path: str, error: str) -> None:

@@ -19,8 +19,7 @@ from layerscope.diagnose.tui.headline import Headline
 from layerscope.diagnose.tui.screen import RunScreen
 
 
-class OverviewScreen(RunScreen):
-    HELP_TOPIC = "overview"
+class OverviewScreen(RunScreen, topic="overview"):
     BINDINGS = [
         Binding("r", "requests", "requests"),
         Binding("s", "steps", "steps"),

@@ -32,8 +32,7 @@ FILTER_HELP = ("filter (/ on the requests screen): space-separated terms, all mu
                "  bare text matches request id, status and dominant layer")
 
 
-class RequestsScreen(RunScreen):
-    HELP_TOPIC = "requests"
+class RequestsScreen(RunScreen, topic="requests"):
     BINDINGS = [
         Binding("slash", "filter", "filter"),
         Binding("enter", "detail", "detail"),

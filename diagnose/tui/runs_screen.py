@@ -17,8 +17,7 @@ from layerscope.diagnose.tui.screen import LayerscopeScreen
 from layerscope.diagnose.views import find_runs
 
 
-class RunsScreen(LayerscopeScreen):
-    HELP_TOPIC = "runs"
+class RunsScreen(LayerscopeScreen, topic="runs"):
     BINDINGS = [
         Binding("enter", "open", "open"),
         Binding("space", "mark", "mark"),

@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 class LayerscopeScreen(Screen):
     HELP_TOPIC: ClassVar[str] = "layerscope"
 
+    def __init_subclass__(cls, topic: str | None = None, **kwargs: Any) -> None:
+        """``class OverviewScreen(RunScreen, topic="overview")``: the screen's HELP_TOPIC."""
+        super().__init_subclass__(**kwargs)
+        if topic is not None:
+            cls.HELP_TOPIC = topic
+
     def help_extra(self) -> list["RenderableType"]:
         """What the help box shows under this screen's keys."""
         return []

@@ -27,8 +27,7 @@ CHARTS = (
 )
 
 
-class StepsScreen(RunScreen):
-    HELP_TOPIC = "steps"
+class StepsScreen(RunScreen, topic="steps"):
     BINDINGS = [Binding("escape", "back", "back")]
 
     def __init__(self, run_index: int) -> None:

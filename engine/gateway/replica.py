@@ -28,22 +28,9 @@ import traceback
 from typing import Callable
 
 from layerscope.engine.faults import Faults
-from layerscope.engine.gateway.messages import (
-    AbortRequest,
-    AddRequest,
-    CollectRecords,
-    Drained,
-    DrainRecords,
-    Exited,
-    Fatal,
-    MetricsSnapshot,
-    Outputs,
-    Ready,
-    Records,
-    RequestError,
-    Shutdown,
-    TokenDelta,
-)
+from layerscope.engine.gateway.messages import (AbortRequest, AddRequest, CollectRecords, Drained, DrainRecords, Exited,
+                                                Fatal, MetricsSnapshot, Outputs, Ready, Records, RequestError, Shutdown,
+                                                TokenDelta)
 from layerscope.engine.recorder import Recorder, RecorderFactory
 from layerscope.engine.sampling_params import InvalidRequestError
 
