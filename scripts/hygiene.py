@@ -1,5 +1,6 @@
 """Code hygiene the standards ask for, checked: no function over 80 lines, no file over 450 lines
-without a reason near its top, no module docstring of 25+ lines, no dated lab notes in code.
+without a reason near its top, no module docstring of 25+ lines, no dated lab notes in code, and
+manifest.json read only through the bundle reader.
 
 ``python scripts/hygiene.py`` prints each violation (path:line: what) and exits 1 if any is not in
 ALLOWED; ``--all`` also lists the allowed ones. tests/test_hygiene.py runs it.
@@ -28,14 +29,18 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # owned by another change
     "diagnose/attribution.py": ("dated", "function"),
     "diagnose/comparison.py": ("function",),
+    "diagnose/external/run.py": ("manifest",),
     "diagnose/external/analysis.py": ("file",),
     "diagnose/machine.py": ("docstring", "function"),
     "diagnose/stats.py": ("dated", "docstring"),
     "diagnose/synth.py": ("function",),
+    "diagnose/views.py": ("manifest",),
     "kernels/bench.py": ("function",),
     "kernels/triton_ops.py": ("docstring",),
     "probes/bench_overhead.py": ("docstring", "function"),
+    "probes/bench_soak.py": ("manifest",),
     "probes/breakdown.py": ("docstring", "function"),
+    "probes/machine.py": ("manifest",),
     "probes/recorder.py": ("docstring", "function"),
     "regressions/fault_matrix.py": ("dated",),
 }
@@ -60,6 +65,30 @@ def _comments_and_docstrings(path: Path, text: str, tree: ast.Module) -> list[tu
     return out
 
 
+def _manifest_parsers(tree: ast.Module) -> list[int]:
+    """Lines where json.load(s) reads manifest.json (named in its argument, or in a variable the
+    same function set from it): a second reader beside the bundle reader's."""
+
+    def names_manifest(node: ast.AST, tainted: set[str]) -> bool:
+        return any((isinstance(n, ast.Constant) and n.value == "manifest.json")
+                   or (isinstance(n, ast.Name) and n.id in tainted) for n in ast.walk(node))
+
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        tainted: set[str] = set()
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign) and names_manifest(n.value, set()):
+                tainted |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+        for n in ast.walk(fn):
+            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("load", "loads")
+                    and isinstance(n.func.value, ast.Name) and n.func.value.id == "json" and n.args
+                    and names_manifest(n.args[0], tainted)):
+                out.append(n.lineno)
+    return sorted(set(out))
+
+
 def check_file(path: Path) -> list[tuple[str, int, str]]:
     """(kind, line, message) of each violation in one Python file."""
     text = path.read_text(encoding="utf-8")
@@ -74,6 +103,9 @@ def check_file(path: Path) -> list[tuple[str, int, str]]:
     if len(lines) > MAX_FILE_LINES and not any(REASON.search(l) for l in lines[:REASON_LINES]):
         found.append(("file", 1, f"{len(lines)} lines (> {MAX_FILE_LINES}) and no reason in its first "
                                  f"{REASON_LINES} lines (\"Why one file past {MAX_FILE_LINES} lines: ...\")"))
+    if path.name != "reader.py" or path.parent.name != "probes":
+        found += [("manifest", line, "parses manifest.json by hand: read it with probes.reader.read_manifest")
+                  for line in _manifest_parsers(tree)]
     doc = ast.get_docstring(tree, clean=False)
     if doc is not None and len(doc.splitlines()) > MAX_DOCSTRING_LINES:
         found.append(("docstring", 1, f"module docstring of {len(doc.splitlines())} lines "

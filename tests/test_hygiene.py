@@ -29,9 +29,10 @@ def test_each_kind_of_violation_is_found(tmp_path):
     doc = "".join(f"line {i}\n" for i in range(h.MAX_DOCSTRING_LINES + 1))
     filler = "".join(f"Y{i} = {i}\n" for i in range(h.MAX_FILE_LINES))
     f = tmp_path / "bad.py"
-    f.write_text(f'"""{doc}"""\n\n\ndef long():\n{body}\n\n# Tried 2026-12-03: a bigger batch, not kept\n{filler}')
+    reader = ('def manifest_of(p):\n    mf = p / "manifest.json"\n    return json.loads(mf.read_text())\n')
+    f.write_text(f'"""{doc}"""\n\n\ndef long():\n{body}\n\n# Tried 2026-12-03: a bigger batch, not kept\n{reader}{filler}')
     kinds = sorted({kind for kind, _, _ in h.check_file(f)})
-    assert kinds == ["dated", "docstring", "file", "function"]
+    assert kinds == ["dated", "docstring", "file", "function", "manifest"]
 
 
 def test_a_long_file_with_its_reason_and_an_80_line_function_pass(tmp_path):
