@@ -171,12 +171,21 @@ class ResolvedConfig:
     vocab_size: int
     kv_cache_bytes: int
     num_parameters: int
+    # kernel_backend=auto on CPU: each op's measured choice and timings (kernels/choose.py), taken
+    # from the model the engine built just before this (its build records it)
+    kernels: dict[str, Any] = dataclasses.field(default_factory=lambda: _kernel_record())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 # ---- helpers ------------------------------------------------------------------------------
+def _kernel_record() -> dict[str, Any]:
+    from layerscope.kernels.choose import latest
+
+    return latest()
+
+
 def _unknown_key(key: str) -> str:
     keys = sorted(config_keys())
     close = difflib.get_close_matches(key, keys, n=1)
