@@ -16,6 +16,8 @@ so beside the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import signal
 import socket
@@ -136,8 +138,9 @@ def run_bench(url: str, workload: str, extra: list[str], out: Path, model: Path,
     from layerscope.cli import main
 
     busy0, srv0, own0, t0 = _busy_s(), _group_cpu_s(pgids), time.process_time(), time.monotonic()
-    rc = main(["bench", "--endpoint", url, "--workload", workload, "--out", str(out), "--overwrite",
-               "--tokenizer", str(model), "--no-progress", *extra])
+    with contextlib.redirect_stdout(io.StringIO()):  # its own tables: the figures are printed below
+        rc = main(["bench", "--endpoint", url, "--workload", workload, "--out", str(out), "--overwrite",
+                   "--tokenizer", str(model), "--no-progress", *extra])
     if rc != 0:
         raise RuntimeError(f"layerscope bench {workload} against {url} failed (exit {rc})")
     wall = time.monotonic() - t0
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                     results[side][w].append(r)
                     print(f"[round {i + 1}/{args.rounds}] {w:12s} {side:10s} {_fmt(r)}", flush=True)
         vllm_threads = [ln.strip() for ln in (root / "vllm.log").read_text().splitlines()
-                        if "OMP threads" in ln or "threads binding" in ln.lower()][:2]
+                        if "core ids=" in ln or "reserved_cpus=" in ln]
+        vllm_threads = [ln.split("]", 1)[-1].strip() for ln in vllm_threads][:2]
     print(f"\nmedians of {args.rounds} alternated rounds ({model_name}; flags {' '.join(flags)}; "
           f"model {model.name} {args.dtype}; layerscope threads {os.cpu_count()} by default"
           f"{'; vLLM: ' + ' | '.join(vllm_threads) if vllm_threads else ''}):")

@@ -9,7 +9,7 @@ CPU: the same measurement picks native kernels on one machine and oneDNN/AMX on 
 
 The result is cached as JSON (never pickled) beside the native build cache, keyed by the
 CPU model and flags, the thread count, dtype, shapes and ``VERSION`` (bump it when a
-candidate's code changes), and recorded as the engine's resolved ``kernels`` (run bundle
+candidate's code changes; not cached when timed on a busy machine), and recorded as the engine's resolved ``kernels`` (run bundle
 manifest), so two runs on different machines show "kernel choice changed".
 """
 
@@ -70,6 +70,15 @@ def cache_key(cpu: dict, threads: int, dtype: torch.dtype, shapes: dict) -> str:
 
 def cache_path(key: str) -> Path:
     return cpu_native.cache_dir().parent / "kernel-choice" / f"{key}.json"
+
+
+def machine_busy() -> bool:
+    """Whether other work holds the CPUs (1-minute load average over the CPU count): a choice
+    timed then is not cached, so that a noisy minute does not decide this machine's kernels for good."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0]) > (os.cpu_count() or 1)
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def latest() -> dict:
@@ -202,8 +211,11 @@ def choose(model, dtype: torch.dtype, decode_rows: int, prefill_tokens: int, use
             return json.loads(path.read_text())
         except (OSError, ValueError):
             pass  # a damaged cache file: measure again and overwrite it
+    busy_before = machine_busy()
     record = {"version": VERSION, "cpu": cpu, "threads": threads, "dtype": str(dtype).removeprefix("torch."),
               "key": key, **decide(measure(model, dtype, decode_rows, prefill_rows, prefill_tokens))}
+    if busy_before or machine_busy():
+        return record  # timed while other work held the CPUs: used for this run, measured again next time
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1, sort_keys=True))

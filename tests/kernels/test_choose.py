@@ -157,6 +157,10 @@ def test_prefill_attention_candidates_match_the_reference(dtype, tol, hq, hk):
 @pytest.mark.skipif(not (NATIVE_BF16 and can_prepack(torch.bfloat16, "cpu")), reason="no native bf16 GEMM here")
 def test_auto_engine_measures_records_caches_and_applies(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("LAYERSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(choose, "machine_busy", lambda: True)  # timed on a busy machine: used, not cached
+    busy = LLM(model=str(tiny_model), dtype="bfloat16", max_num_seqs=8).engine.resolved.to_dict()["kernels"]
+    assert busy["ops"] and not choose.cache_path(busy["key"]).exists()
+    monkeypatch.setattr(choose, "machine_busy", lambda: False)
     llm = LLM(model=str(tiny_model), dtype="bfloat16", max_num_seqs=8)
     rec = llm.engine.resolved.to_dict()["kernels"]
     assert rec["cpu"] == choose.cpu_info() and rec["dtype"] == "bfloat16" and rec["plan"] in ("native stack", "per shape")
