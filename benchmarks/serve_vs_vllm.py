@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat-rates", type=float, nargs=2, default=[4.0, 16.0])
     ap.add_argument("--vllm-kv-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--set", action="append", default=[], help="layerscope serve --set KEY=VALUE")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="the same compute threads on both (OMP_NUM_THREADS; vLLM: VLLM_CPU_OMP_THREADS_BIND=0-N-1); "
+                         "default: each engine's own default, printed")
     args = ap.parse_args(argv)
     model_name, flags = cpu_description()
     print(f"CPU: {model_name}, {os.cpu_count()} CPUs, flags of note: {' '.join(flags) or 'none'}"
@@ -199,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
               free_port(), "--served-model-name", "m", "--dtype", args.dtype]
     plan = workloads(args)
     results: dict[str, dict[str, list[dict]]] = {side: {w: [] for w in plan} for side in ("layerscope", "vllm")}
-    with server(ours, root / "layerscope.log", {}) as (our_url, our_pg), \
-            server(theirs, root / "vllm.log", {"VLLM_CPU_KVCACHE_SPACE": args.vllm_kv_gib}) as (vllm_url, vllm_pg):
+    our_env, vllm_env = {}, {"VLLM_CPU_KVCACHE_SPACE": args.vllm_kv_gib}
+    if args.threads:
+        our_env["OMP_NUM_THREADS"] = str(args.threads)
+        vllm_env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", OMP_NUM_THREADS=str(args.threads))
+    with server(ours, root / "layerscope.log", our_env) as (our_url, our_pg), \
+            server(theirs, root / "vllm.log", vllm_env) as (vllm_url, vllm_pg):
         sides = {"layerscope": our_url, "vllm": vllm_url}
         pgids = {our_pg, vllm_pg}
         for side, url in sides.items():  # warm-up: compiled shapes, caches; not kept
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                         if "core ids=" in ln or "reserved_cpus=" in ln]
         vllm_threads = [ln.split("]", 1)[-1].strip() for ln in vllm_threads][:2]
     print(f"\nmedians of {args.rounds} alternated rounds ({model_name}; flags {' '.join(flags)}; "
-          f"model {model.name} {args.dtype}; layerscope threads {os.cpu_count()} by default"
+          f"model {model.name} {args.dtype}; layerscope threads {args.threads or f'{os.cpu_count()} (default)'}"
           f"{'; vLLM: ' + ' | '.join(vllm_threads) if vllm_threads else ''}):")
     print(f"{'workload':12s} | {'layerscope tok/s':>16s} | {'vLLM tok/s':>10s} | {'ratio':>5s} | "
           f"{'TTFT p50 ls/vLLM ms':>20s} | {'TPOT p50 ls/vLLM ms':>20s}")
