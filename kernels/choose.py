@@ -203,7 +203,8 @@ def choose(model, dtype: torch.dtype, decode_rows: int, prefill_tokens: int, use
     attn = model.model.layers[0].self_attn
     prefill_rows = min(prefill_tokens, PREFILL_ROWS)
     shapes = {"linears": sorted(linear_groups(model)), "decode_rows": decode_rows, "prefill_tokens": prefill_tokens,
-              "attention": [attn.num_heads, attn.num_kv_heads, attn.head_dim]}
+              "attention": [attn.num_heads, attn.num_kv_heads, attn.head_dim],
+              "native": cpu_native.build().name if cpu_native.available() else None}  # its sources' hash
     key = cache_key(cpu, threads, dtype, shapes)
     path = cache_path(key)
     if use_cache and path.exists():
