@@ -8,9 +8,10 @@ prefill shapes on this machine, and the fastest is used. No default favours one 
 CPU: the same measurement picks native kernels on one machine and oneDNN/AMX on another.
 
 The result is cached as JSON (never pickled) beside the native build cache, keyed by the
-CPU model and flags, the thread count, dtype, shapes and ``VERSION`` (bump it when a
-candidate's code changes; not cached when timed on a busy machine), and recorded as the engine's resolved ``kernels`` (run bundle
-manifest), so two runs on different machines show "kernel choice changed".
+CPU model and flags, the thread count, dtype, shapes, the native build and ``VERSION``
+(bump it when a candidate's code changes); a choice timed on a busy machine is not cached.
+It is recorded as the engine's resolved ``kernels`` (run bundle manifest), so two runs on
+different machines show "kernel choice changed".
 """
 
 from __future__ import annotations
