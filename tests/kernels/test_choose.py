@@ -52,6 +52,11 @@ def test_decide_keeps_the_native_stack_while_native_wins_over_all_linears():
     assert choose.choices(rec, "prefill_attention") == {"prefill_attention[len=128]": "matmul",
                                                         "prefill_attention[len=512]": "sdpa"}
     assert rec["ops"]["linear.qkv_proj[96x64]"]["decode_us"] == {"native": 3000.0, "onednn": 2500.0}
+    # oneDNN ahead over all linears, but by less than the host work the native stack saves
+    within = choose.decide(_timings((3e-3, 2.5e-3), (2e-3, 2.1e-3), (1e-3, 2e-3), {}))
+    assert within["plan"] == "native stack"
+    assert 5000 <= within["linear_decode_total_us"]["onednn"] * (1 + choose.STACK_SAVING) < 5000 * 1.1
+    assert set(choose.choices(within, "linear.").values()) == {"native"}
 
 
 def test_decide_goes_per_shape_when_onednn_wins_over_all_linears():
