@@ -58,7 +58,7 @@ class EngineConfig:
     num_kv_blocks: int = _f("num_kv_blocks", "KV-cache blocks in the pool; 0 means derive from kv_cache_memory_bytes.")
     kv_cache_memory_bytes: int = _f("kv_cache_memory_bytes", "Memory budget for the KV cache when num_kv_blocks is 0, in bytes.")
     preemption_mode: str = _f("preemption_mode", "What preemption does to a victim's KV: recompute (free blocks, prefill again later).")
-    kernel_backend: str = _f("kernel_backend", "Kernel implementation: auto (triton on CUDA; on CPU cpu when a C compiler is present, else torch), torch (reference ops), triton, cpu (native C kernels, CPU only).")
+    kernel_backend: str = _f("kernel_backend", "Kernel implementation: auto (triton on CUDA; on CPU cpu when a C compiler is present, else torch; in bf16/fp16 each linear and attention op then takes the fastest of native, oneDNN/AMX and torch as measured at load, cached per machine: resolved.kernels), torch (reference ops), triton, cpu (native C kernels, CPU only).")
     enforce_eager: bool = _f("enforce_eager", "Run every step op by op from Python. Off: on the cpu kernel backend (bfloat16, one rank) decode-only steps run the decoder layers in one native call (the same kernels, bit-identical outputs, without the host work between them); timed, profiled and fault-injected steps always run op by op.")
     weight_prepack: bool = _f("weight_prepack", "CPU, bfloat16/float16: pack linear weights once into oneDNN's blocked layout at load (same outputs, faster small-batch GEMMs, a second copy of those weights).")
     device: str = _f("device", "Device: auto (cuda when available), cpu, cuda.")
@@ -173,12 +173,21 @@ class ResolvedConfig:
     vocab_size: int
     kv_cache_bytes: int
     num_parameters: int
+    # kernel_backend=auto on CPU: each op's measured choice and timings (kernels/choose.py), taken
+    # from the model the engine built just before this (its build records it)
+    kernels: dict[str, Any] = dataclasses.field(default_factory=lambda: _kernel_record())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 # ---- helpers ------------------------------------------------------------------------------
+def _kernel_record() -> dict[str, Any]:
+    from layerscope.kernels.choose import latest
+
+    return latest()
+
+
 def _unknown_key(key: str) -> str:
     keys = sorted(config_keys())
     close = difflib.get_close_matches(key, keys, n=1)

@@ -24,7 +24,7 @@ from layerscope.engine.parallel.context import ParallelContext
 from layerscope.engine.parallel.layers import can_prepack, prepack_linears
 from layerscope.engine.sampler import Sampler, compute_logprobs
 from layerscope.engine.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from layerscope.kernels import AttentionMetadata, get_kernel_ops
+from layerscope.kernels import AttentionMetadata, choose, get_kernel_ops
 
 
 @dataclass
@@ -75,9 +75,17 @@ def build_model_runner(
     model = load_model(config.model, spec, dtype, pctx, ops, max_model_len, device)
     if pctx.world_size > 1:
         name_collectives(model)
+    choose.record_latest({})
     if config.weight_prepack and can_prepack(dtype, device):
         prepack_linears(model, native=backend == "cpu")
-        if not config.enforce_eager and pctx.world_size == 1:
+        native_stack = True
+        if config.kernel_backend == "auto" and backend == "cpu" and pctx.world_size == 1 and not ops.faulty:
+            # auto: each op's implementation chosen by measurement on this machine (kernels/choose.py)
+            record = choose.choose(model, dtype, min(config.max_num_seqs, 64), config.max_num_batched_tokens)
+            choose.apply(model, ops, record)
+            choose.record_latest(record)
+            native_stack = "torch" not in choose.choices(record, "decode_attention").values()
+        if not config.enforce_eager and pctx.world_size == 1 and native_stack:
             model.native_decode = NativeDecode.build(model, ops)
     kv_heads = pctx.shard(spec.num_kv_heads, "num_key_value_heads")
     kv = allocate_kv_cache(spec, num_blocks, config.block_size, kv_heads, dtype, device)

@@ -3,9 +3,23 @@ transformers baselines (padded static batches, continuous batching) side by side
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
+from pathlib import Path
 
-from layerscope.engine import bench
+
+def _load_script(name: str):
+    """A plain script of the top-level benchmarks/ folder, imported by its path."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_script("engine_bench")
 
 
 def test_engine_bench_prints_every_figure(capsys):
@@ -13,7 +27,9 @@ def test_engine_bench_prints_every_figure(capsys):
                      "--max-output", "20", "--dtype", "float32"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    for needle in ("machine peaks:", "matmul", "GB/s", "engine (continuous batching", "transformers static batches of 4",
+    for needle in ("machine peaks:", "matmul", "GB/s", "engine (continuous batching", "kernel choice: fixed",
+                   "transformers static batches of 4 (padded, arrival order)",
+                   "transformers static batches of 4 (padded, length-sorted)",
                    "decode step at batch 4", "% of roofline", "step phases (median): schedule", "forward alone"):
         assert needle in out, needle
     assert ("transformers continuous batching (generate_batch" in out) == bench.has_hf_continuous_batching(), out
@@ -25,4 +41,29 @@ def test_engine_bench_prints_every_figure(capsys):
     m = re.search(r"it also computed (\d+) padding prompt tokens \(beside (\d+) real ones\) and (\d+) output tokens", out)
     assert m and (int(m[1]), int(m[2]), int(m[3])) == (padded, sum(map(len, prompts)), discarded), out
     # every baseline generated exactly the workload's output tokens
-    assert len(re.findall(rf"\b{sum(olens)} tokens in", out)) == 2 + bench.has_hf_continuous_batching(), out
+    assert len(re.findall(rf"\b{sum(olens)} tokens in", out)) == 3 + bench.has_hf_continuous_batching(), out
+    # the length-sorted batches: padding counted independently over the sorted order
+    order = sorted(range(6), key=lambda i: (len(prompts[i]), olens[i]))
+    sp, so = [prompts[i] for i in order], [olens[i] for i in order]
+    padded_sorted = sum(max(map(len, sp[i : i + 4])) - len(p) for i in range(0, 6, 4) for p in sp[i : i + 4])
+    m = re.search(r"length-sorted\).*?it also computed (\d+) padding", out)
+    assert m and int(m[1]) == padded_sorted <= padded, out
+
+
+def test_engine_bench_prints_the_measured_kernel_choice(capsys, tmp_path, monkeypatch):
+    import pytest
+    import torch
+
+    from layerscope.engine.parallel.layers import can_prepack
+    from layerscope.kernels import cpu_native
+
+    if not (cpu_native.available() and can_prepack(torch.bfloat16, "cpu")):
+        pytest.skip("kernel_backend=auto measures only where the native kernels build and oneDNN runs bf16")
+    monkeypatch.setenv("LAYERSCOPE_CACHE_DIR", str(tmp_path))
+    assert bench.main(["--preset", "tiny", "--requests", "4", "--batch", "4", "--max-prompt", "48",
+                       "--max-output", "8", "--dtype", "bfloat16", "--skip-hf"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel choice (measured on" in out and "plan: " in out, out
+    for op in ("linear.qkv_proj[", "linear.lm_head[", "decode_attention[b=4,", "prefill_attention[len=128]"):
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(op))
+        assert re.search(r"-> (native|onednn|torch|sdpa|matmul) ", line), line

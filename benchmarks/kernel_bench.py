@@ -1,8 +1,8 @@
 """Kernel benchmark: Triton kernels (or the native CPU kernels) vs the torch reference ops.
 
-    python -m layerscope.kernels.bench [--quick] [--device cpu|cuda] [--dtype bf16]
-                                        [--kernels rms_norm,decode_attention] [--reps N]
-    python -m layerscope.kernels.bench --impl cpu [--quick]
+    python benchmarks/kernel_bench.py [--quick] [--device cpu|cuda] [--dtype bf16]
+                                    [--kernels rms_norm,decode_attention] [--reps N]
+    python benchmarks/kernel_bench.py --impl cpu [--quick]
 
 With ``--impl cpu`` the native C kernels of the ``cpu`` backend are measured against
 the reference on the CPU, at the shapes of the ``100m`` preset's decode step (batch
@@ -290,7 +290,7 @@ def _prepare_backend(device: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m layerscope.kernels.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/kernel_bench.py", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes (always used on cpu)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="default: cuda when available, else cpu (Triton interpreter)")

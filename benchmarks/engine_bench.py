@@ -1,6 +1,6 @@
 """Engine vs transformers throughput, side by side in one run, with a roofline.
 
-    python -m layerscope.engine.bench [--preset 100m] [--dtype bfloat16] [--requests 64]
+    python benchmarks/engine_bench.py [--preset 100m] [--dtype bfloat16] [--requests 64]
 
 Same model, same seeded mixed workload (prompt lengths 32-512 and output lengths
 16-256, log-normal), against two transformers baselines:
@@ -100,28 +100,39 @@ def run_engine(llm: LLM, prompts, olens) -> tuple[float, int]:
     return time.perf_counter() - t, sum(len(o.token_ids) for o in outs)
 
 
-def run_hf(model_dir: str, dtype: torch.dtype, prompts, olens, batch: int) -> tuple[float, int, dict[str, int]]:
+def _hf_generate(hf, ps, os_) -> None:
+    width = max(len(p) for p in ps)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+    hf.generate(ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_), do_sample=False,
+                pad_token_id=0)
+
+
+def run_hf(model_dir: str, dtype: torch.dtype, prompts, olens, batch: int,
+           sort: bool = False) -> tuple[float, int, dict[str, int]]:
     """transformers ``generate`` over padded static batches -> (seconds, useful output tokens,
     what else it computed: ``num_padded_prompt_tokens`` (left padding, run through the
     prefill) and ``num_discarded_output_tokens`` (generated past a request's own length
-    while the longest in its batch finished))."""
+    while the longest in its batch finished)). ``sort``: requests batched in prompt-length
+    order (less padding: what a static batcher that sees the whole workload can do), else
+    in arrival order. Warmed up as the engine is (two requests, 4 tokens) before the timed span."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None
+    if sort:
+        order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), olens[i]))
+        prompts, olens = [prompts[i] for i in order], [olens[i] for i in order]
     useful = 0
     waste = {"num_padded_prompt_tokens": 0, "num_discarded_output_tokens": 0}
-    t = time.perf_counter()
     with torch.inference_mode():
+        _hf_generate(hf, prompts[:2], [4, 4])  # warm-up
+        t = time.perf_counter()
         for i in range(0, len(prompts), batch):
             ps, os_ = prompts[i : i + batch], olens[i : i + batch]
-            width = max(len(p) for p in ps)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
-            hf.generate(ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_),
-                        do_sample=False, pad_token_id=0)
+            _hf_generate(hf, ps, os_)
             useful += sum(os_)
-            waste["num_padded_prompt_tokens"] += sum(width - len(p) for p in ps)
+            waste["num_padded_prompt_tokens"] += sum(max(map(len, ps)) - len(p) for p in ps)
             waste["num_discarded_output_tokens"] += sum(max(os_) - o for o in os_)
     return time.perf_counter() - t, useful, waste
 
@@ -148,6 +159,10 @@ def run_hf_continuous(model_dir: str, dtype: torch.dtype, prompts, olens, batch:
     done: dict[str, int] = {}
     with hf.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb, block=True,
                                                 timeout=30) as manager:
+        manager.add_request(prompts[0], request_id="warm-up", max_new_tokens=4)  # warmed up as the engine is
+        while (r := manager.get_result(timeout=30)) is None or not r.is_finished():
+            if r is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped")
         t = time.perf_counter()
         for i, (p, o) in enumerate(zip(prompts, olens)):
             manager.add_request(p, request_id=f"r{i}", max_new_tokens=o)
@@ -216,6 +231,21 @@ def decode_roofline(llm: LLM, batch: int, ctx: int, flops_peak: float, bw_peak: 
     }
 
 
+def print_kernel_choice(record: dict, backend: str) -> None:
+    """The measured kernel choice per op and shape (kernels/choose.py), as the manifest has it."""
+    if not record:
+        print(f"kernel choice: fixed (kernel_backend {backend}; measured only for auto on CPU in bf16/fp16)")
+        return
+    cpu = record["cpu"]
+    print(f"kernel choice (measured on {cpu['model']}, {'AMX' if cpu['amx'] else 'no AMX'}, {record['threads']} "
+          f"threads, {record['dtype']}; plan: {record['plan']}; linears at the decode batch in total "
+          + ", ".join(f"{c} {us:.0f} us" for c, us in record["linear_decode_total_us"].items() if us is not None) + "):")
+    for op, v in record["ops"].items():
+        timings = "; ".join(f"{phase[:-3]} " + ", ".join(f"{c} {us:.1f}" for c, us in t.items() if us is not None)
+                            for phase, t in v.items() if phase.endswith("_us"))
+        print(f"  {op:34s} -> {v['choice']:7s} (us per call: {timings})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="100m")
@@ -251,13 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     print("machine peaks: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in rates.items() if k != "peak")
           + f" ({args.dtype}; peak = the larger), copy {bw_peak / 1e9:.1f} GB/s")
 
+    print_kernel_choice(llm.engine.resolved.kernels, llm.engine.resolved.kernel_backend)
     run_engine(llm, prompts[:2], [4, 4])  # warm-up
     cb = not args.skip_hf and not args.skip_hf_continuous and has_hf_continuous_batching()
     if not args.skip_hf and not args.skip_hf_continuous and not cb:
         import transformers
 
         print(f"transformers continuous batching: not in transformers {transformers.__version__}")
-    rates: dict[str, list[float]] = {"engine": [], "static": [], "continuous": []}
+    rates: dict[str, list[float]] = {"engine": [], "static": [], "static_sorted": [], "continuous": []}
     for i in range(args.rounds):  # interleaved, so that a change in the machine's load hits every side
         tag = f"[round {i + 1}/{args.rounds}] " if args.rounds > 1 else ""
         e_s, e_tok = run_engine(llm, prompts, olens)
@@ -266,12 +297,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{e_tok / e_s:8.1f} output tok/s")
         if args.skip_hf:
             continue
-        h_s, h_tok, waste = run_hf(model_dir, dtype, prompts, olens, args.batch)
-        rates["static"].append(h_tok / h_s)
-        print(f"{tag}transformers static batches of {args.batch} (padded)  {h_tok:6d} tokens in {h_s:7.2f} s  = "
-              f"{h_tok / h_s:8.1f} output tok/s  -> engine {(e_tok / e_s) / (h_tok / h_s):.2f}x; it also computed "
-              f"{waste['num_padded_prompt_tokens']} padding prompt tokens (beside {sum(map(len, prompts))} real ones) "
-              f"and {waste['num_discarded_output_tokens']} output tokens past their request's length")
+        for key, sort in (("static", False), ("static_sorted", True)):
+            h_s, h_tok, waste = run_hf(model_dir, dtype, prompts, olens, args.batch, sort=sort)
+            rates[key].append(h_tok / h_s)
+            print(f"{tag}transformers static batches of {args.batch} (padded, "
+                  f"{'length-sorted' if sort else 'arrival order'})  {h_tok:6d} tokens in {h_s:7.2f} s  = "
+                  f"{h_tok / h_s:8.1f} output tok/s  -> engine {(e_tok / e_s) / (h_tok / h_s):.2f}x; it also computed "
+                  f"{waste['num_padded_prompt_tokens']} padding prompt tokens (beside {sum(map(len, prompts))} real "
+                  f"ones) and {waste['num_discarded_output_tokens']} output tokens past their request's length")
         if cb:
             c_s, c_tok = run_hf_continuous(model_dir, dtype, prompts, olens, args.batch)
             rates["continuous"].append(c_tok / c_s)
@@ -280,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds > 1:
         med = {k: sorted(v)[len(v) // 2] for k, v in rates.items() if v}
         print(f"median of {args.rounds} rounds (output tok/s): " + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
-              + "".join(f"; engine / {k} {med['engine'] / med[k]:.2f}x" for k in ("static", "continuous") if k in med))
+              + "".join(f"; engine / {k} {med['engine'] / med[k]:.2f}x" for k in ("static", "static_sorted", "continuous")
+                 if k in med))
     r = decode_roofline(llm, args.batch, 256, flops_peak, bw_peak)
     print(f"decode step at batch {r['batch']}: {r['step_s'] * 1e3:.1f} ms, {r['gb_s']:.1f} GB/s, "
           f"{r['gflop_s']:.1f} GFLOP/s; roofline {r['roofline_s'] * 1e3:.1f} ms ({r['bound']}-bound) -> "
