@@ -15,6 +15,7 @@ from layerscope.probes.reader import Bundle, read_bundle
 from layerscope.replay.cost import CostModel, fit_cost
 
 HASH_TOKENS = schema.PREFIX_HASH_TOKENS
+UNKNOWN_LEN = 1 << 30  # a context limit the run did not record (its KV pool capped it)
 _REQ_COLUMNS = ["request_id", "replica", "status", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens",
                 "num_preemptions", "gateway_arrival_ns", "gateway_admitted_ns", "engine_arrival_ns",
                 "engine_first_token_ns", "engine_finished_ns", "gateway_first_token_ns", "gateway_finished_ns",
@@ -116,10 +117,19 @@ def _settings(manifest: dict[str, Any], replicas: int) -> tuple[Settings, int]:
         enable_chunked_prefill=bool(c.get("enable_chunked_prefill", True)),
         enable_prefix_caching=bool(c.get("enable_prefix_caching", True)),
         block_size=int(res.get("block_size") or c.get("block_size", 16)),
-        max_model_len=int(res.get("max_model_len") or c.get("max_model_len") or 1 << 30),
+        max_model_len=_max_len(c, res),
         max_concurrency=int(gw.get("max_concurrency", 1 << 30)), max_queue=int(gw.get("max_queue", 1 << 30)),
         replicas=max(replicas, 1))
     return s, int(res.get("num_kv_blocks") or c.get("num_kv_blocks") or 1 << 20)
+
+
+def _max_len(c: dict[str, Any], res: dict[str, Any]) -> int:
+    """The context limit before the KV pool's cap (the replay applies the pool's own cap)."""
+    got = int(res.get("max_model_len") or 0)
+    pool = int(res.get("num_kv_blocks") or 0) * int(res.get("block_size") or c.get("block_size", 16))
+    if got and got == pool and not c.get("max_model_len"):
+        return UNKNOWN_LEN  # capped by the pool: the model's own limit is not recorded, and was larger
+    return got or int(c.get("max_model_len") or 0) or UNKNOWN_LEN
 
 
 def _median(a: np.ndarray) -> float:

@@ -50,3 +50,13 @@ def fidelity(measured: dict[str, Any], replayed: dict[str, Any]) -> dict[str, An
         checks.append({"metric": metric, "pct": p, "measured": m, "replayed": r, "rel_err": err, "tolerance": tol,
                        "ok": bool(np.isfinite(err) and abs(err) <= tol) or not np.isfinite(m)})
     return {"ok": all(c["ok"] for c in checks), "checks": checks}
+
+
+def mean_figures(figs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several replays' figures (seeds) averaged: percentiles and counts alike."""
+    out = dict(figs[0])
+    for m in LATENCIES:
+        out[m] = {**figs[0][m], **{p: float(np.nanmean([f[m][p] for f in figs])) for p in ("p50", "p90", "p99")}}
+    for k in ("waiting_mean", "waiting_max", "preemptions", "prefix_hit_rate", "rejected", "num_steps"):
+        out[k] = float(np.mean([f[k] for f in figs]))
+    return out
