@@ -5,7 +5,7 @@ model (``cost.py``). Each is one component of a counterfactual split (``split.py
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -81,12 +81,17 @@ class Settings:
 
 @dataclass(frozen=True)
 class Front:
-    """Fixed latencies outside the engine's steps: the admission path's own delay, the hand-off to a
-    replica, and the first/last token's way back to the gateway (medians of the run)."""
+    """Latencies outside the engine's steps, as the run's own per-request samples: the admission
+    path's delay, the hand-off to a replica, the first and the last token's way back to the gateway
+    (columns of ``samples``). A replay gives each request one run request's row (seeded): a stall on a
+    shared machine hits a request's hand-off and its output alike, so they go together. (Drawn by
+    arrival time they would count a busy spell twice: the steps' residuals already carry it.)"""
 
-    admit_delay_s: float = 0.0
-    route_s: float = 0.0
-    output_s: float = 0.0
+    samples: np.ndarray = field(default_factory=lambda: np.zeros((1, 4)))
+
+    def medians(self) -> tuple[float, float, float]:
+        m = np.median(self.samples, axis=0)
+        return float(m[0]), float(m[1]), float(m[2])
 
 
 @dataclass
@@ -137,17 +142,44 @@ def _median(a: np.ndarray) -> float:
     return float(np.median(a)) if len(a) else 0.0
 
 
-def _front(r) -> Front:
-    g = r["gateway_arrival_ns"].to_numpy(float)
-    adm = r["gateway_admitted_ns"].to_numpy(float)
-    e_arr = r["engine_arrival_ns"].to_numpy(float)
-    g_first, e_first = r["gateway_first_token_ns"].to_numpy(float), r["engine_first_token_ns"].to_numpy(float)
-    wait = (adm - g) / 1e9
-    wait = wait[np.isfinite(wait)]
-    # the admission path's own delay: what even an unqueued request spent there (a low percentile)
-    delay = float(np.percentile(wait, 10)) if len(wait) else 0.0
-    return Front(admit_delay_s=max(delay, 0.0), route_s=max(_median((e_arr - adm) / 1e9), 0.0),
-                 output_s=max(_median((g_first - e_first) / 1e9), 0.0))
+def _idle_at(steps, replica: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Whether each request's replica ran no step at time ``t`` (its hand-off then waited on no step)."""
+    out = np.ones(len(t), bool)
+    for rep, st in steps.groupby("replica"):
+        st = st.sort_values("start_ns")
+        starts, ends = st["start_ns"].to_numpy(float), st["end_ns"].to_numpy(float)
+        mine = replica == rep
+        k = np.searchsorted(starts, t[mine], "right") - 1
+        out[mine] = ~((k >= 0) & (ends[np.maximum(k, 0)] > t[mine]))
+    return out
+
+
+def _front(r, max_concurrency: int, steps) -> Front:
+    ns = {c: r[c].to_numpy(float) for c in ("gateway_arrival_ns", "gateway_admitted_ns", "engine_arrival_ns",
+                                            "gateway_first_token_ns", "engine_first_token_ns",
+                                            "gateway_finished_ns", "engine_finished_ns")}
+    g, adm = ns["gateway_arrival_ns"], ns["gateway_admitted_ns"]
+    adm = np.where(np.isfinite(adm), adm, g)  # no gateway (offline): no admission, no hand-off
+    g = np.where(np.isfinite(g), g, ns["engine_arrival_ns"])
+    # a request that found fewer than max_concurrency in flight waited only on the admission path
+    done = np.where(np.isfinite(ns["gateway_finished_ns"]), ns["gateway_finished_ns"], np.inf)
+    in_flight = np.searchsorted(np.sort(adm), g, "right") - np.searchsorted(np.sort(done), g, "right")
+    wait = np.where(in_flight < max_concurrency, (adm - g) / 1e9, np.nan)
+    # the engine stamps a request's arrival when its loop takes it in, between steps: a hand-off
+    # while a step ran waited for that step, which the replay's own steps account for
+    idle = _idle_at(steps, np.nan_to_num(r["replica"].to_numpy(float)).astype(np.int64), adm)
+    route = (ns["engine_arrival_ns"] - adm) / 1e9
+    if idle.sum() < 5:
+        route = np.minimum(route, np.nanpercentile(route, 25)) if np.isfinite(route).any() else route
+        idle[:] = True
+    out_first = (ns["gateway_first_token_ns"] - ns["engine_first_token_ns"]) / 1e9
+    out_last = (ns["gateway_finished_ns"] - ns["engine_finished_ns"]) / 1e9
+    cols = []
+    for a in (wait, route, out_first, out_last):
+        a = np.where(np.isfinite(a), np.maximum(a, 0.0), np.nan)
+        cols.append(np.where(np.isfinite(a), a, np.nanmedian(a) if np.isfinite(a).any() else 0.0))
+    sam = np.column_stack(cols)[idle]
+    return Front(samples=sam) if len(sam) else Front()
 
 
 def load_inputs(path: str, bundle: Bundle | None = None) -> Inputs:
@@ -180,10 +212,10 @@ def load_inputs(path: str, bundle: Bundle | None = None) -> Inputs:
     steps = b.df("steps", columns=["step_id", "replica", "start_ns", "end_ns", "step_s", "num_prefill_tokens",
                                    "num_decode_seqs", "num_running", "num_waiting", "collective_s",
                                    "request_ids", "request_num_tokens", "num_prefix_hits", "num_prefix_queries"])
-    cost = fit_cost(steps)
+    cost = fit_cost(steps, origin_ns=float(arr[0]))
     measured = measured_figures(r, steps, rejected)
     return Inputs(name=m.get("run_id") or str(path), workload=wl, settings=settings, num_kv_blocks=kv,
-                  front=_front(r), cost=cost, measured=measured,
+                  front=_front(r, settings.max_concurrency, steps), cost=cost, measured=measured,
                   tp_size=int((m.get("config") or {}).get("tp_size", 1) or 1), notes=tuple(notes))
 
 

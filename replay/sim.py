@@ -69,6 +69,34 @@ class Result:
     ttft_s: np.ndarray
     tpot_s: np.ndarray
     e2e_s: np.ndarray
+    engine_s: np.ndarray | None = None  # engine arrival to first token (the engine's share of TTFT)
+
+
+class _Draws:
+    """Per step, the residual and loop gap of a run's step of the same kind near the same time (one of
+    the 5 nearest, seeded); past the run's end, its timeline wraps around. ``noise`` off: the fitted
+    cost alone and the median gap."""
+
+    def __init__(self, cost: CostModel, seed: int, noise: bool):
+        self.rng = np.random.default_rng(seed)
+        self.noise = noise
+        self.kinds = [(cost.t_decode, cost.resid_decode, cost.gap_decode),
+                      (cost.t_prefill, cost.resid_prefill, cost.gap_prefill)]
+        self.median_gap = [float(np.median(cost.gap_decode)), float(np.median(cost.gap_prefill))]
+        self.jitter, self.j = self.rng.integers(-2, 3, size=4096), 0
+
+    def step(self, cost: CostModel, t: float, pf: int, dec: int, ctx: int) -> tuple[float, float]:
+        k = 1 if pf else 0  # a prefill step's stalls and gaps are not a decode step's
+        if not self.noise:
+            return cost.predict(pf, dec, ctx), self.median_gap[k]
+        times, resid, gap = self.kinds[k]
+        span = times[-1] + 1e-3
+        i = int(np.searchsorted(times, t % span if t > span else t))
+        if self.j == 4096:
+            self.jitter, self.j = self.rng.integers(-2, 3, size=4096), 0
+        i = min(max(i + int(self.jitter[self.j]), 0), len(times) - 1)
+        self.j += 1
+        return cost.predict(pf, dec, ctx, float(resid[i])), float(gap[i])
 
 
 class _Engine:
@@ -85,13 +113,14 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
     """Replay ``wl`` under ``s`` with ``cost``; per-request latencies and the run's figures."""
     n = len(wl)
     engines = [_Engine(s, num_kv_blocks) for _ in range(s.replicas)]
-    rng = np.random.default_rng(seed)
-    ratios = cost.ratios if noise and len(cost.ratios) else np.ones(1)
-    draws, di = rng.choice(ratios, size=4096), 0
+    draw = _Draws(cost, seed, noise)
+    frng = np.random.default_rng([seed, 1])  # its own stream: the steps' draws stay common across scenarios
+    adm_d, route, out_first, out_last = front.samples[frng.integers(0, len(front.samples), size=n)].T
     ev: list[tuple] = [(float(wl.arrival_s[i]), _GW_ARRIVE, i, i) for i in range(n)]
     heapq.heapify(ev)
     seq = n
     first = np.full(n, np.nan)
+    e_arr = np.full(n, np.nan)
     fin = np.full(n, np.nan)
     idx = {f"r{i}": i for i in range(n)}
     active, waiters, rejected = 0, deque(), 0
@@ -101,8 +130,8 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
     def admit(i: int, t: float) -> None:
         nonlocal seq
         seq += 1
-        t_adm = max(t, wl.arrival_s[i] + front.admit_delay_s)
-        push(ev, (t_adm + front.route_s, _ENGINE_ARRIVE, seq, i))
+        t_adm = max(t, wl.arrival_s[i] + adm_d[i])
+        push(ev, (t_adm + route[i], _ENGINE_ARRIVE, seq, i))
 
     while ev:
         t, kind, _, x = heapq.heappop(ev)
@@ -116,6 +145,7 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
                 waiters.append(x)
         elif kind == _ENGINE_ARRIVE:
             e = engines[int(wl.replica[x]) % s.replicas]
+            e_arr[x] = t
             if wl.prompt_len[x] >= e.max_len:  # the engine refuses it (InvalidRequestError): over the context
                 rejected += 1
                 active -= 1
@@ -139,14 +169,11 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
                     pf += r.num_new_tokens
                 else:
                     dec += 1
-            if di == len(draws):
-                draws, di = rng.choice(ratios, size=4096), 0
-            dt = cost.predict(pf, dec, ctx) * draws[di]
-            di += 1
+            dt, gap = draw.step(cost, t, pf, dec, ctx)
             seq += 1
-            push(ev, (t + dt, _STEP_END, seq, (e, out)))
+            push(ev, (t + dt, _STEP_END, seq, (e, out, gap)))
         else:
-            e, out = x
+            e, out, gap = x
             sampled = {r.request_id: -1 for r in out.scheduled if r.do_sample}
             for req in e.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
                 i = idx[req.request_id]
@@ -161,13 +188,16 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
                         admit(waiters.popleft(), t)
             waiting_samples.append(len(e.sched.waiting))
             seq += 1
-            push(ev, (t, _STEP_START, seq, e))
-    return _result(wl, front, engines, first, fin, waiting_samples, rejected)
+            push(ev, (t + gap, _STEP_START, seq, e))  # the loop's gap: pushing outputs, metrics
+    res = _result(wl, engines, first + out_first, np.maximum(fin + out_last, first + out_first), waiting_samples,
+                  rejected)
+    res.engine_s = first - e_arr
+    return res
 
 
-def _result(wl, front, engines, first, fin, waiting, rejected) -> Result:
-    ttft = first + front.output_s - wl.arrival_s
-    e2e = fin + front.output_s - wl.arrival_s
+def _result(wl, engines, first, fin, waiting, rejected) -> Result:
+    ttft = first - wl.arrival_s
+    e2e = fin - wl.arrival_s
     n_out = wl.output_len.astype(float)
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(n_out >= 2, (e2e - ttft) / (n_out - 1), np.nan)

@@ -146,10 +146,9 @@ def describe_changes(a: Inputs, b: Inputs, players: list[str]) -> dict[str, str]
                            f"median {np.median(a.workload.prompt_len):.0f} -> {np.median(b.workload.prompt_len):.0f}")
     pa_, pb = a.cost.predict(0, 1, 0), b.cost.predict(0, 1, 0)
     out["step_cost"] = f"one-sequence decode step {pa_ * 1e3:.2f} -> {pb * 1e3:.2f} ms (fitted means)"
-    fa, fb = a.front, b.front
-    out["front"] = (f"admission {fa.admit_delay_s * 1e3:.1f} -> {fb.admit_delay_s * 1e3:.1f} ms, hand-off "
-                    f"{fa.route_s * 1e3:.1f} -> {fb.route_s * 1e3:.1f} ms, output {fa.output_s * 1e3:.1f} -> "
-                    f"{fb.output_s * 1e3:.1f} ms")
+    (a1, a2, a3), (b1, b2, b3) = a.front.medians(), b.front.medians()
+    out["front"] = (f"admission {a1 * 1e3:.1f} -> {b1 * 1e3:.1f} ms, hand-off {a2 * 1e3:.1f} -> {b2 * 1e3:.1f} ms, "
+                    f"output {a3 * 1e3:.1f} -> {b3 * 1e3:.1f} ms (medians)")
     return out
 
 
