@@ -66,9 +66,10 @@ class CostModel:
         return lines
 
 
-def context_tokens(steps: pd.DataFrame) -> np.ndarray:
+def context_tokens(steps: pd.DataFrame, cached: dict[str, int] | None = None) -> np.ndarray:
     """Per step, the tokens its sequences hold once it ran (prompt so far + outputs), from the
-    steps' request lists in step order (a preemption's reset is not seen: slight overcount)."""
+    steps' request lists in step order, plus each request's prefix-cache hit (``cached``: request id
+    -> tokens; they are in its context but were never computed). A preemption's reset is not seen."""
     n = len(steps)
     if not n or "request_ids" not in steps:
         return np.zeros(n)
@@ -79,8 +80,10 @@ def context_tokens(steps: pd.DataFrame) -> np.ndarray:
     flat_ids = np.concatenate([np.asarray(x, dtype=object) for x in ids if x is not None and len(x)])
     flat_n = np.concatenate([np.asarray(x, dtype=np.int64) for x in toks if x is not None and len(x)])
     step_of = np.repeat(np.arange(n), lens)
-    codes, _ = pd.factorize(flat_ids)
+    codes, uniques = pd.factorize(flat_ids)
     cum = pd.Series(flat_n).groupby(codes).cumsum().to_numpy()
+    if cached:
+        cum = cum + np.array([cached.get(u, 0) for u in uniques], dtype=float)[codes]
     return np.bincount(step_of, weights=cum, minlength=n)
 
 
@@ -116,7 +119,7 @@ def _pool(a: np.ndarray, fallback: np.ndarray) -> np.ndarray:
     return np.where(ok, a, np.median(a[ok])) if ok.any() else np.zeros(max(len(a), 1))
 
 
-def fit_cost(steps: pd.DataFrame, origin_ns: float | None = None) -> CostModel:
+def fit_cost(steps: pd.DataFrame, origin_ns: float | None = None, cached: dict[str, int] | None = None) -> CostModel:
     """Fit the step-cost model on a run's steps table (sorted here by start); ``origin_ns``: the
     run's first arrival, the zero of the replay's clock (default: the first step's start)."""
     if not len(steps):
@@ -132,7 +135,7 @@ def fit_cost(steps: pd.DataFrame, origin_ns: float | None = None) -> CostModel:
     pf = steps["num_prefill_tokens"].to_numpy(float)
     dec = steps["num_decode_seqs"].to_numpy(float)
     has_pf = pf > 0
-    X = np.column_stack([np.ones(len(steps)), has_pf.astype(float), pf, dec, context_tokens(steps) / 1e3])
+    X = np.column_stack([np.ones(len(steps)), has_pf.astype(float), pf, dec, context_tokens(steps, cached) / 1e3])
     y = wall - coll
     # the stalls (a step 5 MADs above its kind's median: another process had the CPU) are left out of
     # the fit; they stay in the residuals a replay draws

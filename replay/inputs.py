@@ -212,7 +212,8 @@ def load_inputs(path: str, bundle: Bundle | None = None) -> Inputs:
     steps = b.df("steps", columns=["step_id", "replica", "start_ns", "end_ns", "step_s", "num_prefill_tokens",
                                    "num_decode_seqs", "num_running", "num_waiting", "collective_s",
                                    "request_ids", "request_num_tokens", "num_prefix_hits", "num_prefix_queries"])
-    cost = fit_cost(steps, origin_ns=float(arr[0]))
+    cached = dict(zip(r["request_id"], np.nan_to_num(r["num_cached_tokens"].to_numpy(float)).astype(int)))
+    cost = fit_cost(steps, origin_ns=float(arr[0]), cached=cached)
     measured = measured_figures(r, steps, rejected)
     return Inputs(name=m.get("run_id") or str(path), workload=wl, settings=settings, num_kv_blocks=kv,
                   front=_front(r, settings.max_concurrency, steps), cost=cost, measured=measured,
