@@ -96,14 +96,32 @@ def cmd_whatif(args: argparse.Namespace) -> int:
 
 def counterfactual(baseline: str, candidate: str, diagnosis: dict[str, Any] | None) -> dict[str, Any]:
     """The counterfactual split of two runs as plain data, with where diagnose's layers disagree."""
+    from layerscope.probes.reader import read_manifest
     from layerscope.replay.inputs import load_inputs
     from layerscope.replay.split import agreement, shapley
 
+    for path in (baseline, candidate):
+        m = read_manifest(path)
+        if m.get("external"):
+            return external_note(path, m)
     a, b = load_inputs(baseline), load_inputs(candidate)
     seeds = (0, 1, 2) if max(len(a.workload), len(b.workload)) <= 2000 else (0,)
     cf = shapley(a, b, seeds=seeds)
     cf["disagreements"] = agreement(cf, diagnosis)
     return cf
+
+
+def external_note(path: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What a bundle of an external engine (bench/watch/import) would let a replay reuse: it has no
+    engine steps, so no step-cost model of its own, and the replay drives layerscope's scheduler."""
+    eng = manifest.get("engine") or {}
+    fam = eng.get("family") or "external"
+    wl = "per-request arrivals and lengths" if manifest.get("workload") else "no workload spec"
+    return {"schema": "layerscope.counterfactual/1",
+            "error": f"{path} is a {fam} bundle: no engine steps were recorded, so no step-cost model can be fitted "
+                     f"and its scheduler is not layerscope's; replayable components: workload ({wl}) only. "
+                     f"A coarse step cost from {fam}'s per-request queue/prefill/decode histograms and its periodic "
+                     "log lines is not built (docs/replay.md)"}
 
 
 def print_counterfactual(cf: dict[str, Any], out=None) -> None:
