@@ -82,6 +82,7 @@ def main() -> int:
     ap.add_argument("--skip-verify", action="store_true")
     ap.add_argument("--skip-split", action="store_true")
     ap.add_argument("--synth", action="store_true", help="only the five kinds on synthetic bundles")
+    ap.add_argument("--baseline", default=None, help="an existing run to verify what-ifs on (implies --skip-split)")
     args = ap.parse_args()
     from layerscope.replay.inputs import load_inputs
     from layerscope.replay.split import shapley
@@ -90,7 +91,10 @@ def main() -> int:
     if args.synth:
         synth_pairs(root)
         return 0
-    base = record(args.model, root / "baseline", {}, {}, {}, args.reuse)
+    if args.baseline:
+        base, args.skip_split = args.baseline, True
+    else:
+        base = record(args.model, root / "baseline", {}, {}, {}, args.reuse)
     print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     held = 0
     if not args.skip_split:
