@@ -152,8 +152,7 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
                 rejected += 1
                 active -= 1
                 continue
-            params = SamplingParams(temperature=0.0, max_tokens=int(wl.output_len[x]), ignore_eos=True)
-            e.sched.add_request(Request(f"r{x}", prompt_tokens(wl, x), params, None, 0))
+            e.sched.add_request(_request(wl, x))
             if not e.busy:
                 e.busy = True
                 seq += 1
@@ -164,14 +163,7 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
             if out.is_empty:
                 e.busy = False
                 continue
-            pf = dec = ctx = 0
-            for r in out.scheduled:
-                ctx += r.start_pos + r.num_new_tokens
-                if r.is_prefill:
-                    pf += r.num_new_tokens
-                else:
-                    dec += 1
-            dt, gap = draw.step(cost, t, pf, dec, ctx)
+            dt, gap = draw.step(cost, t, *_batch(out.scheduled))
             seq += 1
             push(ev, (t + dt, _STEP_END, seq, (e, out, gap)))
         else:
@@ -195,6 +187,23 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
                   rejected)
     res.engine_s = first - e_arr
     return res
+
+
+def _batch(scheduled: list[_Sched]) -> tuple[int, int, int]:
+    """A step's prefill tokens, decode sequences and context tokens (the cost model's features)."""
+    pf = dec = ctx = 0
+    for r in scheduled:
+        ctx += r.start_pos + r.num_new_tokens
+        if r.is_prefill:
+            pf += r.num_new_tokens
+        else:
+            dec += 1
+    return pf, dec, ctx
+
+
+def _request(wl: Workload, i: int) -> Request:
+    params = SamplingParams(temperature=0.0, max_tokens=int(wl.output_len[i]), ignore_eos=True)
+    return Request(f"r{i}", prompt_tokens(wl, i), params, None, 0)
 
 
 def _result(wl, engines, first, fin, waiting, rejected) -> Result:
