@@ -154,3 +154,12 @@ def test_cli_replay_whatif_and_diagnose_counterfactual(bundles, capsys):
     assert "Counterfactual split" in capsys.readouterr().out
     assert main(["diagnose", a, b, "--json", "--no-counterfactual"]) == 0
     assert "counterfactual" not in json.loads(capsys.readouterr().out)
+
+
+def test_a_tp_runs_collective_cost_is_its_own_component(bundles):
+    a = load_inputs(bundles(tp_size=2))
+    b = load_inputs(bundles(tp_size=2, collective_delay_s=0.003))
+    cf = shapley(a, b, seeds=(0,), workers=1)
+    s = cf["split"]["tpot_s:p50"]
+    assert "collective" in cf["components"] and s["measured_delta"] > 0.005
+    assert s["components"]["collective"] / s["measured_delta"] >= 0.7
