@@ -89,7 +89,8 @@ def shapley(a: Inputs, b: Inputs, seeds: tuple[int, ...] = (0,), workers: int | 
     players = differing(a, b)
     subsets = [frozenset(c) for k in range(len(players) + 1) for c in itertools.combinations(players, k)]
     jobs = [(*compose(a, b, s), seeds) for s in subsets]
-    workers = workers if workers is not None else min(2, os.cpu_count() or 1)
+    big = max(len(a.workload), len(b.workload)) * len(seeds) >= 2000  # a pool's start-up pays off
+    workers = workers if workers is not None else (min(2, os.cpu_count() or 1) if big else 1)
     if workers > 1 and len(jobs) > 2:
         with ProcessPoolExecutor(workers) as pool:
             values = list(pool.map(_value, jobs, chunksize=max(1, len(jobs) // (workers * 2))))
