@@ -116,7 +116,8 @@ class Run:
             df = frame(schema.TABLES[name].empty_table())
         else:
             skip = _LISTS if name == "steps" else () if name != "requests" else \
-                tuple(STORED_COLUMNS) if self._stored_ok else _V2  # stored: breakdown reads them
+                (tuple(STORED_COLUMNS) if self._stored_ok else _V2) + ("prompt_block_hashes",)  # stored: breakdown
+                # reads them; the prompt hashes are the replay's (layerscope.replay), not diagnose's
             try:
                 df = self.bundle.df(name, skip=skip, filter=self._filter(name))
             except BundleError as e:

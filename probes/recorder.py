@@ -55,7 +55,7 @@ from layerscope.probes import schema
 from layerscope.probes.drain import DRAIN_FORMAT, build_request, fill
 from layerscope.probes.feed import MetricsFeed, Recorded
 from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
-from layerscope.probes.requests import OUTER_FIELDS, finalize_row
+from layerscope.probes.requests import OUTER_FIELDS, finalize_row, prefix_hashes
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
@@ -302,6 +302,7 @@ class ProbeRecorder(Recorder):
             "num_output_tokens": request.num_output_tokens,
             "num_preemptions": request.num_preemptions,
             "num_recomputed_tokens": request.num_recomputed_tokens,
+            "prompt_block_hashes": prefix_hashes(request.prompt_token_ids),
         }
         self._done.append(st)
         if self._feed is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from layerscope.contract import FINISH_REASON, STATUS_ABORTED, interval_s, tpot_s
-from layerscope.probes.schema import REQUESTS
+from layerscope.probes.schema import PREFIX_HASH_TOKENS, REQUESTS
 
 if TYPE_CHECKING:  # no runtime import of the engine: bundle readers use this module
     from layerscope.engine.recorder import StepRecord
@@ -80,6 +80,16 @@ def _events(events: "Sequence[RequestEvent]") -> dict[str, Any]:
     return out
 
 
+def prefix_hashes(token_ids: Sequence[int]) -> list[int]:
+    """The prompt's chained hash per full ``PREFIX_HASH_TOKENS``-token chunk (requests.prompt_block_hashes):
+    equal as far as two prompts' tokens are. Python's hash of an int tuple is the same in every process."""
+    k, h, out = PREFIX_HASH_TOKENS, 0, []
+    for i in range(0, len(token_ids) - k + 1, k):
+        h = hash((h, *token_ids[i:i + k]))
+        out.append(h)
+    return out
+
+
 def engine_row(
     request_id: str,
     replica: int,
@@ -110,6 +120,7 @@ def engine_row(
         engine_arrival_ns=arrival, engine_scheduled_ns=scheduled, engine_first_token_ns=first,
         engine_finished_ns=finished,
         preempted_s=sum(b - a for a, b in ev["preempted"]) / 1e9,
+        prompt_block_hashes=info.get("prompt_block_hashes"),
     )
     sampled = set(sampled_idx)
     chunks = 0

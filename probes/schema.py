@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from layerscope.contract import BREAKDOWN_LAYERS, LAYERS, component_column  # noqa: F401  (LAYERS: re-export)
 
-SCHEMA_VERSION = 2  # 2: requests carry every per-request component (E2E_COMPONENTS.., DECODE_COLUMNS)
+SCHEMA_VERSION = 3  # 2: requests carry every per-request component (E2E_COMPONENTS.., DECODE_COLUMNS); 3: prompt_block_hashes
 BUNDLE_FORMAT = "layerscope.bundle"
 
 # TTFT components, in request order; their sum plus ttft_residual_s equals ttft_s.
@@ -38,6 +38,8 @@ STORED_COMPONENT_COLUMNS = (
     *[c for _, c in TPOT_COMPONENTS], "tpot_residual_s",
     *DECODE_COLUMNS,
 )
+
+PREFIX_HASH_TOKENS = 16  # tokens per chunk of requests.prompt_block_hashes
 
 _ts = pa.int64()
 _s = pa.float64()
@@ -94,6 +96,9 @@ REQUESTS = pa.schema(
         # time spent preempted over the whole life (engine.kv), and queue time
         ("preempted_s", _s),
         ("trace_id", _str),  # OpenTelemetry trace id (hex) of this request
+        # version 3: the prompt's prefix structure for a replay (layerscope.replay): a chained hash per full
+        # PREFIX_HASH_TOKENS-token chunk of the prompt (two requests share a prefix exactly as far as these agree)
+        ("prompt_block_hashes", pa.list_(_n)),
     ]
 )
 
@@ -201,6 +206,7 @@ MACHINE = pa.schema(
 OPTIONAL_TABLES: dict[str, pa.Schema] = {"machine": MACHINE}  # not required by readers
 # columns added after version 1, with the version that added them (an older bundle reads them as null)
 ADDED: dict[str, int] = {c: 2 for c in STORED_COMPONENT_COLUMNS[len(TTFT_COMPONENTS) + 1:]}
+ADDED["prompt_block_hashes"] = 3
 
 TABLES: dict[str, pa.Schema] = {
     "requests": REQUESTS,

@@ -103,7 +103,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     for extra in EXTRA_PARSERS:
         extra(sub)
+    _add_counterfactual(sub)
     return parser
+
+
+def _add_counterfactual(sub) -> None:
+    """``diagnose A B`` gains the replay's counterfactual split, composed here: diagnose never imports
+    the replay (nor the engine it drives). The split goes after diagnose's report, and into its JSON
+    as ``counterfactual``; ``--no-counterfactual`` leaves it out."""
+    p = sub.choices.get("diagnose")
+    if p is None or "layerscope.replay.cli" not in sys.modules:
+        return
+    p.add_argument("--no-counterfactual", action="store_true",
+                   help="two runs: leave out the replay's counterfactual split (docs/replay.md)")
+    inner = p.get_default("func")
+
+    def diagnose_with_counterfactual(args: argparse.Namespace) -> int:
+        if len(args.runs) != 2 or args.no_counterfactual or args.follow or args.window or args.last:
+            return inner(args)
+        from layerscope.diagnose import cli as dcli
+        from layerscope.replay import cli as rcli
+
+        emit = dcli._emit
+
+        def emit_with_split(a: argparse.Namespace, result: dict, blocks) -> None:
+            try:
+                cf = rcli.counterfactual(args.runs[0], args.runs[1], result)
+            except (ValueError, KeyError) as e:  # an external bundle, no steps: nothing to replay
+                cf = {"schema": "layerscope.counterfactual/1", "error": str(e)}
+            if a.json:
+                emit(a, {**result, "counterfactual": cf}, blocks)
+                return
+            emit(a, result, blocks)
+            rcli.print_counterfactual(cf)
+
+        dcli._emit = emit_with_split
+        try:
+            return inner(args)
+        finally:
+            dcli._emit = emit
+
+    p.set_defaults(func=diagnose_with_counterfactual)
 
 
 # Later subsystems register their subcommands here: fn(subparsers) -> None.
@@ -117,7 +157,7 @@ def _register_optional() -> None:
         return
     for mod in ("layerscope.demo", "layerscope.serve", "layerscope.run_cli", "layerscope.regressions.cli",
                 "layerscope.diagnose.cli", "layerscope.diagnose.tui.cli", "layerscope.dashboards.cli",
-                "layerscope.regressions.external_cli"):
+                "layerscope.regressions.external_cli", "layerscope.replay.cli"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

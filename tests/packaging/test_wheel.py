@@ -43,6 +43,8 @@ ACTIONS = {
     "demo": "test_demo_from_elsewhere",
     "watch": "test_actions_from_the_repository_root",  # a window of the served server
     "import": "test_actions_from_the_repository_root",  # the bench's own /metrics and vLLM result
+    "replay": "test_actions_from_the_repository_root",
+    "whatif": "test_actions_from_the_repository_root",
 }
 WORKLOAD = ["--workload", "chat", "--num-requests", "6", "--rate", "0", "--param", "output_len=6"]
 
@@ -161,6 +163,9 @@ def test_actions_from_the_repository_root(venv, tmp_path):
        cwd=cwd)
     diag = json.loads(ls(venv, "diagnose", str(tmp_path / "a"), str(tmp_path / "b"), "--json", cwd=cwd).stdout)
     assert diag["schema"] == "layerscope.diagnosis/1"
+    assert diag["counterfactual"]["schema"] == "layerscope.counterfactual/1"  # the replay, from the wheel
+    assert "fidelity:" in ls(venv, "replay", str(tmp_path / "a"), cwd=cwd).stdout
+    assert "what if max_num_seqs=2" in ls(venv, "whatif", str(tmp_path / "a"), "--set", "max_num_seqs=2", cwd=cwd).stdout
     assert "max_num_seqs" in ls(venv, "config-diff", str(tmp_path / "a"), str(tmp_path / "b"), cwd=cwd).stdout
     ls(venv, "diagnose", str(tmp_path / "bench"), cwd=cwd)
     ls(venv, "import", "metrics", str(tmp_path / "bench" / "metrics_before.prom"), str(tmp_path / "bench" / "metrics.prom"),
