@@ -103,7 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     for extra in EXTRA_PARSERS:
         extra(sub)
+    _add_prometheus_commands(sub)
     return parser
+
+
+def _add_prometheus_commands(sub) -> None:
+    """``import prometheus``, ``diagnose --prometheus``, ``fleet`` (docs/fleet.md): added after the
+    other subcommands, since they extend ``import`` and ``diagnose``."""
+    from layerscope.diagnose.external.prom_cli import add_commands
+
+    add_commands(sub)
 
 
 # Later subsystems register their subcommands here: fn(subparsers) -> None.
