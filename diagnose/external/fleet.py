@@ -42,6 +42,7 @@ CHECKS: dict[str, tuple[int, str | None, str, float]] = {
     "output_tokens_per_s": (-1, None, "output tokens/s", 0.1),
 }
 SPLIT = ("queue_mean_s", "prefill_mean_s", "decode_mean_s")
+CHANGE_POINTS = 200  # points of the fleet latency series searched for change points (O(n^2) each)
 
 
 def _flag(col: str, x: float, med: float, scale: float) -> dict[str, Any] | None:
@@ -152,9 +153,14 @@ def fleet_report(prom: Prom, selector: str | None, start: float, end: float, *, 
 
 # ---- the rollout ----------------------------------------------------------------------------------
 def scrape_interval(src: Source, t: float) -> float:
-    res = src.prom.query(f"avg(count_over_time({sel('up', src.m)}[5m]))", t)
-    n = float(res[0]["value"][1]) if res else 0.0
-    return 300.0 / n if n >= 1 else 15.0
+    """The median gap between one replica's raw ``up`` samples over the last hour to ``t``."""
+    reps = src.prom.label_values(src.by, "{" + ",".join(x for x in (src.m, '__name__="up"') if x) + "}", t - 3600, t)
+    if not reps:
+        return 60.0
+    one = sel("up", src.m, f'{src.by}="{reps[0]}"')
+    res = src.prom.query(f"{one}[1h]", t)
+    ts = np.array([float(x[0]) for x in res[0]["values"]]) if res else np.zeros(0)
+    return float(np.median(np.diff(ts))) if len(ts) > 2 else 60.0
 
 
 def info_changes(src: Source, start: float, end: float, step: float) -> list[dict[str, Any]]:
@@ -197,11 +203,11 @@ def latency_series(src: Source, start: float, end: float, step: float, rate_s: f
 
 def find_rollout(src: Source, start: float, end: float) -> dict[str, Any]:
     """The rollout in [start, end]: info-label changes, and change points in the fleet's latency."""
-    from layerscope.diagnose.external.prometheus import MAX_POINTS
-
     interval = scrape_interval(src, end)
-    step = max((end - start) / MAX_POINTS, interval)
-    rate_s = max(4 * step, 4 * interval)
+    # one rate window per point, not overlapping: overlapping windows make neighbours correlated,
+    # which the permutation test reads as change points
+    step = max((end - start) / CHANGE_POINTS, 4 * interval)
+    rate_s = step
     ts, lat = latency_series(src, start, end, step, rate_s)
     cps = change_points(lat, min_size=3, permutations=99) if len(lat) >= 8 else []
     points = [{"t": float(ts[c.index]), "time": iso(ts[c.index]), "pvalue": c.pvalue, "q": c.q,
@@ -221,7 +227,7 @@ def find_rollout(src: Source, start: float, end: float) -> dict[str, Any]:
     reps = sorted({c["replica"] for c in changes if abs(c["t"] - t) <= max(step, 60) * 10}) if changes else []
     return {"t": t, "time": iso(t), "found_by": how, "replicas": reps, "label_changes": changes,
             "change_points": points, "step_s": step, "rate_window_s": rate_s, "scrape_interval_s": interval,
-            "guard_s": max(2 * rate_s, 2 * step)}
+            "guard_s": 2 * step}
 
 
 def _narrow(by: str, replicas: list[str]) -> str:

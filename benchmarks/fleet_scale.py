@@ -1,0 +1,228 @@
+"""A fleet at scale in a real Prometheus: a rollout diagnosed and the outliers found, timed.
+
+``python benchmarks/fleet_scale.py [--replicas 500] [--days 7] [--interval 600]`` writes a
+synthetic vLLM fleet as OpenMetrics (per replica: e2e/queue/prefill/decode histograms with 5
+buckets, tokens/requests/preemption counters, running/waiting/KV gauges, ``up`` and
+``vllm:cache_config_info``), backfills it with ``promtool tsdb create-blocks-from openmetrics``,
+starts Prometheus on that TSDB on 127.0.0.1, then times two commands, each in its own process:
+``layerscope diagnose --prometheus URL --around`` (find the rollout, diagnose it) and
+``layerscope fleet`` over the last day. Prints wall time and peak RSS of each (ours, not
+Prometheus's). The fleet: a rollout at 5/7 of the span (max_num_seqs 256 -> 64 and the version,
+replica by replica over 30 min) that raises queue time; over the last day one replica decodes 3x
+slower, one is stuck (requests waiting, no tokens), one gets 3x the request rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+BOUNDS = (0.1, 0.3, 1.0, 2.5, 10.0, 60.0, 7680.0, float("inf"))  # vLLM's request-latency bounds, thinned
+JOB = "vllm"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hist_lines(name: str, labels: str, ts: np.ndarray, n: np.ndarray, mean: np.ndarray) -> list[str]:
+    """Cumulative histogram series of exponentially distributed latencies (``mean`` per interval)."""
+    out = []
+    cum_n = np.cumsum(n)
+    for b in BOUNDS:
+        frac = np.ones_like(mean) if np.isinf(b) else 1 - np.exp(-b / np.maximum(mean, 1e-9))
+        c = np.cumsum(n * frac)
+        le = "+Inf" if np.isinf(b) else repr(b)
+        out += [f'{name}_bucket{{{labels},le="{le}"}} {v:.3f} {t}' for t, v in zip(ts, c)]
+    out += [f"{name}_sum{{{labels}}} {v:.4f} {t}" for t, v in zip(ts, np.cumsum(n * mean))]
+    out += [f"{name}_count{{{labels}}} {v:.3f} {t}" for t, v in zip(ts, cum_n)]
+    return out
+
+
+def fleet_model(replicas: int, start: int, end: int, interval: int, seed: int = 0) -> dict:
+    """Per replica arrays over the sample times, and what was injected (the answers)."""
+    rng = np.random.default_rng(seed)
+    ts = np.arange(start, end + 1, interval)
+    span = end - start
+    roll = start + int(span * 5 / 7)
+    last_day = max(end - 86400, roll + (end - roll) // 2)
+    names = [f"10.0.{i // 250}.{i % 250}:8000" for i in range(replicas)]
+    slow, stuck, skew = names[min(17, replicas - 1)], names[min(42, replicas - 2)], names[min(99, replicas - 3)]
+    out = {"ts": ts, "roll": roll, "last_day": last_day, "names": names, "slow": slow, "stuck": stuck, "skew": skew,
+           "replicas": {}}
+    for i, name in enumerate(names):
+        at = roll + int(rng.uniform(0, 1800))  # a rolling restart over 30 min
+        base = rng.uniform(0.9, 1.1)
+        rate = np.where((name == skew) & (ts >= last_day), 3 * base, base)  # requests/s
+        after = ts >= at
+        queue = np.where(after, 0.40, 0.05) * rng.uniform(0.9, 1.1, len(ts))
+        prefill = 0.08 * rng.uniform(0.9, 1.1, len(ts))
+        decode = 1.2 * rng.uniform(0.9, 1.1, len(ts)) * np.where((name == slow) & (ts >= last_day), 3.0, 1.0)
+        n = rate * interval * rng.uniform(0.95, 1.05, len(ts))
+        waiting = np.where(after, 4.0, 0.3) * rng.uniform(0.5, 1.5, len(ts))
+        if name == stuck:
+            gone = ts >= last_day
+            n = np.where(gone, 0.0, n)
+            waiting = np.where(gone, 30.0, waiting)
+        out["replicas"][name] = {"at": at, "n": n, "queue": queue, "prefill": prefill, "decode": decode,
+                                 "waiting": waiting, "tokens": n * 200, "kv": np.clip(0.3 + 0.05 * waiting, 0, 1)}
+    return out
+
+
+def write_openmetrics(model: dict, path: Path) -> int:
+    """The model as one OpenMetrics file (family by family, series by series, time ascending)."""
+    ts, lines_written = model["ts"], 0
+    with open(path, "w") as f:
+        def emit(lines: list[str]) -> None:
+            nonlocal lines_written
+            f.write("\n".join(lines) + "\n")
+            lines_written += len(lines)
+
+        for fam, key in (("vllm:e2e_request_latency_seconds", None), ("vllm:request_queue_time_seconds", "queue"),
+                         ("vllm:request_prefill_time_seconds", "prefill"), ("vllm:request_decode_time_seconds", "decode")):
+            f.write(f"# TYPE {fam} histogram\n")
+            for name, r in model["replicas"].items():
+                mean = r["queue"] + r["prefill"] + r["decode"] if key is None else r[key]
+                emit(_hist_lines(fam, f'instance="{name}",job="{JOB}"', ts, r["n"], mean))
+        for fam, key in (("vllm:generation_tokens", "tokens"), ("vllm:request_success", "n")):
+            f.write(f"# TYPE {fam} counter\n")
+            for name, r in model["replicas"].items():
+                emit([f'{fam}_total{{instance="{name}",job="{JOB}"}} {v:.2f} {t}' for t, v in zip(ts, np.cumsum(r[key]))])
+        for fam, fn in (("vllm:num_requests_waiting", lambda r: r["waiting"]),
+                        ("vllm:num_requests_running", lambda r: np.minimum(8.0, 2 + r["waiting"])),
+                        ("vllm:kv_cache_usage_perc", lambda r: r["kv"]), ("up", lambda r: np.ones(len(ts)))):
+            f.write(f"# TYPE {fam} gauge\n")
+            for name, r in model["replicas"].items():
+                emit([f'{fam}{{instance="{name}",job="{JOB}"}} {v:.3f} {t}' for t, v in zip(ts, fn(r))])
+        f.write("# TYPE vllm:cache_config_info gauge\n")
+        for name, r in model["replicas"].items():
+            for seqs, ver, keep in (("256", "0.10.1", ts < r["at"]), ("64", "0.11.0", ts >= r["at"])):
+                emit([f'vllm:cache_config_info{{block_size="16",instance="{name}",job="{JOB}",max_num_seqs="{seqs}",'
+                      f'version="{ver}"}} 1 {t}' for t in ts[keep]])
+        f.write("# EOF\n")
+    return lines_written
+
+
+def backfill(model: dict, tmp: Path, promtool: str) -> tuple[Path, dict]:
+    om, tsdb = tmp / "fleet.om", tmp / "tsdb"
+    t0 = time.perf_counter()
+    lines = write_openmetrics(model, om)
+    t1 = time.perf_counter()
+    subprocess.run([promtool, "tsdb", "create-blocks-from", "openmetrics", "-q", str(om), str(tsdb)], check=True)
+    t2 = time.perf_counter()
+    size = om.stat().st_size
+    om.unlink()
+    return tsdb, {"samples": lines, "openmetrics_mb": size / 1e6, "write_s": t1 - t0, "promtool_s": t2 - t1}
+
+
+def start_prometheus(binary: str, tsdb: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cfg = tmp / "prometheus.yml"
+    cfg.write_text("global: {scrape_interval: 1m}\nscrape_configs: []\n")
+    log = open(tmp / "prometheus.log", "wb")
+    proc = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tsdb}",
+                             "--storage.tsdb.retention.time=30d", f"--web.listen-address=127.0.0.1:{port}",
+                             "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited {proc.returncode}: {(tmp / 'prometheus.log').read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop(proc)
+    raise RuntimeError("prometheus did not become ready in 120 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def run_child(cmd: list[str]) -> dict:
+    """``cmd`` under a wrapper process that reports its own peak RSS (ru_maxrss of RUSAGE_CHILDREN
+    of a fresh process counts only this command)."""
+    wrapper = ("import resource,subprocess,sys,time,json;t=time.perf_counter();"
+               "p=subprocess.run(sys.argv[1:],capture_output=True,text=True);w=time.perf_counter()-t;"
+               "r=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss;"
+               "sys.stderr.write(p.stderr);sys.stdout.write(json.dumps({'rc':p.returncode,'wall_s':w,'maxrss_kb':r,"
+               "'out':p.stdout}))")
+    p = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True)
+    if p.returncode != 0 or not p.stdout:
+        raise RuntimeError(f"{cmd}: {p.stderr[-2000:]}")
+    d = json.loads(p.stdout)
+    d["stderr"] = p.stderr
+    return d
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replicas", type=int, default=500)
+    ap.add_argument("--days", type=float, default=7.0)
+    ap.add_argument("--interval", type=int, default=600, help="seconds between samples (default 10 min)")
+    args = ap.parse_args(argv)
+    prom_bin, promtool = shutil.which("prometheus"), shutil.which("promtool")
+    if not prom_bin or not promtool:
+        raise SystemExit("needs Debian's prometheus package (prometheus, promtool on PATH)")
+    end = int(time.time()) // args.interval * args.interval - args.interval
+    start = end - int(args.days * 86400)
+    model = fleet_model(args.replicas, start, end, args.interval)
+    print(f"load before: {os.getloadavg()}, cpus {os.cpu_count()}")
+    with tempfile.TemporaryDirectory(prefix="fleet-scale-") as d:
+        tmp = Path(d)
+        tsdb, fig = backfill(model, tmp, promtool)
+        print(f"backfill: {args.replicas} replicas x {args.days:g} d at {args.interval} s: {fig['samples']:,} samples "
+              f"({fig['openmetrics_mb']:.0f} MB OpenMetrics, written in {fig['write_s']:.1f} s), promtool "
+              f"{fig['promtool_s']:.1f} s")
+        proc, url = start_prometheus(prom_bin, tsdb, tmp)
+        try:
+            ls = [sys.executable, "-m", "layerscope"]
+            sel = '{job="vllm"}'
+            mid = (start + end) / 2
+            diag = run_child(ls + ["diagnose", "--prometheus", url, "--selector", sel, "--around",
+                                   f"{int((end - start) / 2)}s", "--at", str(mid), "--json"])
+            fl = run_child(ls + ["fleet", "--prometheus", url, "--selector", sel, "--window",
+                                 f"{model['last_day']}..{end}", "--json"])
+        finally:
+            stop(proc)
+    print(f"load after: {os.getloadavg()}")
+    for what, r in (("diagnose --around (find the rollout, diagnose it)", diag), ("fleet (last day)", fl)):
+        print(f"{what}: rc {r['rc']}, wall {r['wall_s']:.2f} s, peak RSS {r['maxrss_kb'] / 1024:.0f} MB")
+        if r["rc"] != 0:
+            print(r["stderr"][-3000:])
+    d = json.loads(diag["out"])
+    f = json.loads(fl["out"])
+    print(f"rollout injected at {model['roll']} (+0..30 min per replica); found at {d['rollout']['time']} "
+          f"({d['rollout']['found_by']}, {len(d['rollout']['replicas'])} replicas changed)")
+    print(f"verdict {d['verdict']}, primary {d['primary']}, config diff "
+          f"{[(c['key'], c['baseline'], c['candidate'], c['layer']) for c in d['config_diff']]}")
+    print(f"outliers: {[(o['replica'], o['kind'], o['layer']) for o in f['outliers']]} (injected: slow "
+          f"{model['slow']}, stuck {model['stuck']}, skew {model['skew']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
