@@ -129,21 +129,25 @@ def backfill(model: dict, tmp: Path, promtool: str) -> tuple[Path, dict]:
     return tsdb, {"samples": lines, "openmetrics_mb": size / 1e6, "write_s": t1 - t0, "promtool_s": t2 - t1}
 
 
-def start_prometheus(binary: str, tsdb: Path, tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_prometheus(binary: str, tsdb: Path, tmp: Path, web_config: Path | None = None,
+                     ready: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Prometheus on 127.0.0.1 over ``tsdb``; ``web_config``: its TLS / basic-auth file, ``ready``:
+    httpx.get keyword arguments that pass it (auth, verify)."""
     port = _free_port()
     cfg = tmp / "prometheus.yml"
     cfg.write_text("global: {scrape_interval: 1m}\nscrape_configs: []\n")
     log = open(tmp / "prometheus.log", "wb")
-    proc = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tsdb}",
+    web = [f"--web.config.file={web_config}"] if web_config else []
+    proc = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tsdb}", *web,
                              "--storage.tsdb.retention.time=30d", f"--web.listen-address=127.0.0.1:{port}",
                              "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if web_config and 'tls_server_config' in web_config.read_text() else 'http'}://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"prometheus exited {proc.returncode}: {(tmp / 'prometheus.log').read_text()[-2000:]}")
         try:
-            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/-/ready", timeout=2, **(ready or {})).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass
