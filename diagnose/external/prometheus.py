@@ -215,7 +215,22 @@ def open_source(prom: Prom, selector: str | None, start: float, end: float, by: 
     if family is None:
         raise PrometheusError(f"{selector}: {len(names)} metrics, none of vLLM, SGLang or layerscope "
                               f"(e.g. {', '.join(sorted(names)[:6])})")
-    return Source(prom, selector or "{}", m, names, resolved, by)
+    return Source(prom, selector or "{}", m, names, resolved, replica_label(prom, m, resolved, by, start, end))
+
+
+REPLICA_LABELS = ("instance", "engine", "replica", "pod")
+
+
+def replica_label(prom: Prom, m: str, resolved: Resolved, by: str, start: float, end: float) -> str:
+    """``by`` where the engine's series carry it, else the first of REPLICA_LABELS they do carry (vLLM
+    names a replica ``engine``, our native names ``replica``, every scrape ``instance``)."""
+    probe = next((n for c, n in resolved.names.items() if CONCEPTS[c].kind in ("gauge", "counter")), None)
+    if probe is None:
+        return by
+    for label in (by, *[x for x in REPLICA_LABELS if x != by]):
+        if prom.label_values(label, "{" + ",".join(x for x in (m, f'__name__="{probe}"') if x) + "}", start, end):
+            return label
+    return by
 
 
 # ---- one window, per replica ---------------------------------------------------------------------

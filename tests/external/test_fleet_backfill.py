@@ -177,3 +177,32 @@ def test_basic_auth_and_tls(fleet, tmp_path, prometheus_bin):
             fleet_report(Prom(url, basic=("alice", "s3cret")), SEL, s, e)
     finally:
         fs.stop(proc)
+
+
+def test_fleet_tui_screen(fleet):
+    import asyncio
+
+    from textual.widgets import DataTable, Static
+
+    from layerscope.diagnose.tui.fleet_screen import FleetApp, FleetScreen
+
+    m = fleet["model"]
+    report = fleet_report(Prom(fleet["url"]), SEL, m["last_day"] + 600, fleet["end"])
+
+    async def drive() -> tuple[list[str], str, str]:
+        app = FleetApp(report)
+        async with app.run_test(size=(160, 50)) as pilot:
+            await pilot.pause()
+            assert isinstance(app.screen, FleetScreen)
+            table = app.screen.query_one("#fleet-table", DataTable)
+            keys = [r.value for r in table.rows]
+            first = str(app.screen.query_one("#fleet-detail", Static).render())
+            await pilot.press("down", "down", "down")
+            fourth = str(app.screen.query_one("#fleet-detail", Static).render())
+            return keys, first, fourth
+
+    keys, first, fourth = asyncio.run(drive())
+    outliers = sorted(o["replica"] for o in report["outliers"])
+    assert keys[:3] == outliers and keys[-1] == "__median__" and len(keys) == 9
+    assert first.startswith(report["outliers"][0]["message"])
+    assert fourth == f"{keys[3]}: within the fleet on every metric"
