@@ -92,8 +92,10 @@ def write_openmetrics(model: dict, path: Path) -> int:
             f.write("\n".join(lines) + "\n")
             lines_written += len(lines)
 
-        for fam, key in (("vllm:e2e_request_latency_seconds", None), ("vllm:request_queue_time_seconds", "queue"),
-                         ("vllm:request_prefill_time_seconds", "prefill"), ("vllm:request_decode_time_seconds", "decode")):
+        for fam, key in (("vllm:e2e_request_latency_seconds", None),
+                         ("vllm:request_queue_time_seconds", "queue"),
+                         ("vllm:request_prefill_time_seconds", "prefill"),
+                         ("vllm:request_decode_time_seconds", "decode")):
             f.write(f"# TYPE {fam} histogram\n")
             for name, r in model["replicas"].items():
                 mean = r["queue"] + r["prefill"] + r["decode"] if key is None else r[key]
@@ -101,7 +103,8 @@ def write_openmetrics(model: dict, path: Path) -> int:
         for fam, key in (("vllm:generation_tokens", "tokens"), ("vllm:request_success", "n")):
             f.write(f"# TYPE {fam} counter\n")
             for name, r in model["replicas"].items():
-                emit([f'{fam}_total{{instance="{name}",job="{JOB}"}} {v:.2f} {t}' for t, v in zip(ts, np.cumsum(r[key]))])
+                emit([f'{fam}_total{{instance="{name}",job="{JOB}"}} {v:.2f} {t}'
+                      for t, v in zip(ts, np.cumsum(r[key]))])
         for fam, fn in (("vllm:num_requests_waiting", lambda r: r["waiting"]),
                         ("vllm:num_requests_running", lambda r: np.minimum(8.0, 2 + r["waiting"])),
                         ("vllm:kv_cache_usage_perc", lambda r: r["kv"]), ("up", lambda r: np.ones(len(ts)))):

@@ -26,7 +26,8 @@ def _conn_args(p: argparse.ArgumentParser, url: str) -> None:
         g.add_argument("--prometheus", metavar="URL", required=url == "required",
                        help="the Prometheus base URL" + ("" if url == "required" else " (then no run bundle)"))
     g.add_argument("--selector", default=None, metavar="'{job=\"vllm\"}'", help="label matchers of the fleet's series")
-    g.add_argument("--by", default="instance", metavar="LABEL", help="the label that names a replica (default instance)")
+    g.add_argument("--by", default="instance", metavar="LABEL",
+                   help="the label that names a replica (default instance)")
     g.add_argument("--bearer-token", default=os.environ.get("LAYERSCOPE_PROM_TOKEN"),
                    help="Authorization: Bearer TOKEN (default $LAYERSCOPE_PROM_TOKEN)")
     g.add_argument("--basic-auth", default=None, metavar="USER:PASSWORD", help="HTTP basic auth")
@@ -101,8 +102,9 @@ def diagnose_lines(result: dict[str, Any]) -> list[tuple[str, Any]]:
     from layerscope.diagnose.external.cli import comparison_lines
 
     p = result["prometheus"]
+    reps = p["replicas"] if isinstance(p["replicas"], str) else ", ".join(p["replicas"])
     head = [("title", f"{p['url']} {p['selector']}: before {p['before'][0]}..{p['before'][1]}, after "
-                      f"{p['after'][0]}..{p['after'][1]} (replicas: {p['replicas'] if isinstance(p['replicas'], str) else ', '.join(p['replicas'])})")]
+                      f"{p['after'][0]}..{p['after'][1]} (replicas: {reps})")]
     ro = result.get("rollout")
     if ro:
         head.append(("text", f"rollout at {ro['time']}: {ro['found_by']}"))

@@ -341,7 +341,8 @@ def info_labels(src: Source, t: float, lookback: float, narrow: str = "") -> dic
     m = ",".join(x for x in (src.m, narrow) if x)
     out: dict[str, dict[str, str]] = {}
     for n in src.info_names():
-        res = src.prom.query(sel(n, m), t) or src.prom.query(f"last_over_time({sel(n, m)}[{promql_duration(lookback)}])", t)
+        res = (src.prom.query(sel(n, m), t)
+               or src.prom.query(f"last_over_time({sel(n, m)}[{promql_duration(lookback)}])", t))
         for r in res:
             rep = r["metric"].get(src.by, "")
             out.setdefault(rep, {}).update({k: v for k, v in r["metric"].items() if k not in INFO_SKIP})

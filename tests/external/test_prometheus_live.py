@@ -1,5 +1,5 @@
 """Acceptance, live: a real Prometheus (Debian's, on 127.0.0.1, 1 s scrapes) scraping three servers:
-two ``layerscope serve --metrics-dialect vllm`` (tiny model) and one real vLLM CPU. Replica B runs
+two ``layerscope serve --metrics-dialect vllm`` (the small model) and one real vLLM CPU. Replica B runs
 with a fault that slows its forward pass; replica A is restarted on its port with a changed config
 (max_num_seqs 1) between two load phases (the rollout). Then, through Prometheus only:
 
@@ -97,11 +97,9 @@ def _load(urls: list[str], seconds: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory, live):
-    from layerscope.engine.models.create import create_model
-
+def scenario(tmp_path_factory, live, small_model):
     tmp = tmp_path_factory.mktemp("prom-live")
-    model = create_model(tmp / "tiny", arch="llama", preset="tiny", seed=0)
+    model = small_model  # vLLM's CPU attention has no kernel for the tiny preset's head_dim 16
     py = VLLM_PY if VLLM_PY.exists() else pytest.fail(f"no vLLM venv at {VLLM_PY} (tests/external/conftest.py "
                                                       "vllm_python() installs it)")
     pa, pb = live.free_port(), live.free_port()
