@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,6 +31,9 @@ from layerscope.diagnose.external.names import CONCEPTS, Resolved, detect_family
 MAX_POINTS = 400  # points per range query series: enough for change points, cheap to fetch
 HISTOGRAMS = ("ttft", "tpot", "itl", "e2e", "queue_time", "prefill_time", "decode_time", "inference_time",
               "iteration_tokens")
+# histograms whose buckets are read (TTFT quantiles per replica; the server-side comparison's
+# variance bounds); the others' sums and counts only: a vLLM histogram has ~20 buckets per replica
+BUCKETED = ("ttft", "queue_time", "prefill_time", "decode_time")
 COUNTERS = ("preemptions", "prefix_queries", "prefix_hits", "prompt_tokens", "generation_tokens",
             "requests_finished", "requests_aborted")
 GAUGES = ("running", "waiting", "kv_usage")
@@ -83,7 +85,7 @@ def iso(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def promql_duration(seconds: float) -> str:
+def promql_duration(seconds: float) -> str:  # whole seconds: "302400s"
     return f"{max(1, int(round(seconds)))}s"
 
 
@@ -111,9 +113,6 @@ class Prom:
         headers = {"Authorization": f"Bearer {self.bearer}"} if self.bearer else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, auth=self.basic, verify=verify,
                                   timeout=self.timeout_s)
-
-    def close(self) -> None:
-        self._http.close()
 
     def api(self, path: str, params: dict[str, Any], method: str = "POST") -> Any:
         self.num_queries += 1
@@ -187,10 +186,8 @@ class Source:
 
     def raw(self, name: str) -> str:
         """The stored spelling of a normalized name (SGLang's ``sglang_`` spelling)."""
-        if name in self.names:
-            return name
         alt = "sglang_" + name[len("sglang:"):] if name.startswith("sglang:") else name
-        return alt if alt in self.names else name
+        return alt if name not in self.names and alt in self.names else name
 
     def metric(self, concept: str, suffix: str = "") -> str | None:
         n = self.resolved.names.get(concept)
@@ -249,8 +246,9 @@ def window_queries(src: Source, end: float, dur: float, narrow: str = "") -> dic
     for c in HISTOGRAMS:
         if src.metric(c) is None:
             continue
-        q[f"{c}:bucket"] = f"sum by ({by}, le) (increase({sel(src.metric(c, '_bucket'), m)}[{d}]))"
-        for part in ("sum", "count"):
+        if c in BUCKETED:  # the +Inf bucket is the count
+            q[f"{c}:bucket"] = f"sum by ({by}, le) (increase({sel(src.metric(c, '_bucket'), m)}[{d}]))"
+        for part in ("sum",) if c in BUCKETED else ("sum", "count"):
             q[f"{c}:{part}"] = f"sum by ({by}) (increase({sel(src.metric(c, '_' + part), m)}[{d}]))"
     for c in COUNTERS:
         if src.metric(c) is not None:
@@ -290,13 +288,16 @@ def read_window(src: Source, start: float, end: float, narrow: str = "") -> Wind
     res = src.prom.many(window_queries(src, end, end - start, narrow), end)
     hists: dict[str, dict] = {}
     for c in HISTOGRAMS:
-        if f"{c}:bucket" not in res:
+        if f"{c}:sum" not in res:
             continue
+        sums = _vec(res[f"{c}:sum"], src.by)
         per: dict[str, dict[float, float]] = {}
-        for (rep, le), v in _vec(res[f"{c}:bucket"], src.by, "le").items():
-            per.setdefault(rep, {})[float(le)] = v
-        sums, counts = _vec(res[f"{c}:sum"], src.by), _vec(res[f"{c}:count"], src.by)
-        hists[c] = {rep: (sorted(b), [b[k] for k in sorted(b)], sums.get(rep, 0.0), counts.get(rep, 0.0))
+        if f"{c}:bucket" in res:
+            for (rep, le), v in _vec(res[f"{c}:bucket"], src.by, "le").items():
+                per.setdefault(rep, {})[float(le)] = v
+        else:  # means only: one +Inf bucket holding the count
+            per = {rep: {math.inf: v} for rep, v in _vec(res[f"{c}:count"], src.by).items()}
+        hists[c] = {rep: (sorted(b), [b[k] for k in sorted(b)], sums.get(rep, 0.0), b.get(math.inf, 0.0))
                     for rep, b in per.items()}
     counters = {c: _vec(res[c], src.by) for c in (*COUNTERS, "aborted_reason") if c in res}
     gauges = {k: _vec(v, src.by) for k, v in res.items() if k.endswith((":mean", ":max")) or k == "up"}
