@@ -80,13 +80,19 @@ def _name(rep: str, flags: list[dict], row: pd.Series, med: pd.Series) -> dict[s
     by = {f["metric"]: f for f in flags}
     ev = [f"{f['what']} {_fmt(f['metric'], f['value'])} vs fleet median {_fmt(f['metric'], f['fleet_median'])}"
           + (f" ({f['ratio']:.1f}x)" if f["ratio"] else "") for f in flags]
-    if (row.get("up") is not None and row["up"] < 0.5) or (
+    # stuck: no tokens while requests wait or run, or far fewer tokens while its queue stands out
+    stalled = "output_tokens_per_s" in by and "waiting_mean" in by and \
+        by["output_tokens_per_s"]["value"] < by["output_tokens_per_s"]["fleet_median"]
+    if (row.get("up") is not None and row["up"] < 0.5) or stalled or (
             (row.get("output_tokens_per_s") or 0) == 0 and (med.get("output_tokens_per_s") or 0) > 0
             and ((row.get("waiting_mean") or 0) > 0 or (row.get("running_mean") or 0) > 0)):
         down = row.get("up") is not None and row["up"] < 0.5
+        what = ("down (scrapes failed)" if down else "stuck: requests in, no tokens out"
+                if not row.get("output_tokens_per_s") else
+                f"stuck: {row['waiting_mean']:.3g} requests waiting, output at "
+                f"{by['output_tokens_per_s']['ratio']:.2f}x the fleet's")
         return {"replica": rep, "kind": "down" if down else "stuck", "layer": "engine.schedule",
-                "message": f"{rep} is {'down (scrapes failed)' if down else 'stuck: requests in, no tokens out'}",
-                "evidence": ev}
+                "message": f"{rep} is {what}", "evidence": ev}
     excess = {c: float(row[c]) - float(med[c]) for c in SPLIT if c in by}
     if excess:
         col = max(excess, key=excess.get)
@@ -106,7 +112,7 @@ def _name(rep: str, flags: list[dict], row: pd.Series, med: pd.Series) -> dict[s
 
 
 def _fmt(col: str, v: float) -> str:
-    if col.endswith("_s"):
+    if col.endswith("_s") and not col.endswith("_per_s"):
         return f"{v * 1e3:.1f} ms"
     return f"{100 * v:.0f}%" if col in ("kv_usage_mean", "error_rate") else f"{v:.3g}"
 
@@ -224,8 +230,10 @@ def find_rollout(src: Source, start: float, end: float) -> dict[str, Any]:
     else:
         raise PrometheusError(f"{src.selector}: no config/version label change and no change point in the fleet's "
                               f"latency between {iso(start)} and {iso(end)}")
-    reps = sorted({c["replica"] for c in changes if abs(c["t"] - t) <= max(step, 60) * 10}) if changes else []
-    return {"t": t, "time": iso(t), "found_by": how, "replicas": reps, "label_changes": changes,
+    rolled = [c for c in changes if 0 <= c["t"] - t <= max(step, 60) * 10]  # a rolling restart's changes
+    reps = sorted({c["replica"] for c in rolled})
+    t_last = max([c["t"] for c in rolled], default=t)
+    return {"t": t, "time": iso(t), "t_last": t_last, "found_by": how, "replicas": reps, "label_changes": changes,
             "change_points": points, "step_s": step, "rate_window_s": rate_s, "scrape_interval_s": interval,
             "guard_s": 2 * step}
 
@@ -273,7 +281,7 @@ def diagnose_around(prom: Prom, selector: str | None, start: float, end: float, 
     src = open_source(prom, selector, start, end, by)
     ro = find_rollout(src, start, end)
     g = ro["guard_s"]
-    before, after = (start, ro["t"] - g), (ro["t"] + g, end)
+    before, after = (start, ro["t"] - g), (ro["t_last"] + g, end)
     if before[1] <= before[0] or after[1] <= after[0]:
         raise PrometheusError(f"the change at {ro['time']} leaves no window on one side (guard {g:.0f} s): widen "
                               "--around")

@@ -96,6 +96,9 @@ def test_fleet_names_outliers_and_layers(fleet):
     assert got == {m["slow"]: ("slow", "model.forward"), m["stuck"]: ("stuck", "engine.schedule"),
                    m["skew"]: ("routing_skew", "gateway.route")}
     assert len(r["replicas"]) == 8
+    # a window that starts before it stalled: fewer tokens, its queue standing out: still stuck
+    part = {o["replica"]: o for o in fleet_report(Prom(fleet["url"]), SEL, m["last_day"] - 1800, fleet["end"])["outliers"]}
+    assert part[m["stuck"]]["kind"] == "stuck" and "requests waiting" in part[m["stuck"]]["message"]
     # before the faults: nobody stands out
     quiet = fleet_report(Prom(fleet["url"]), SEL, fleet["start"], m["roll"] - 600)
     assert quiet["outliers"] == []
