@@ -1,8 +1,8 @@
 """A fleet at scale in a real Prometheus: a rollout diagnosed and the outliers found, timed.
 
-``python benchmarks/fleet_scale.py [--replicas 500] [--days 7] [--interval 600]`` writes a
-synthetic vLLM fleet as OpenMetrics (per replica: e2e/queue/prefill/decode histograms with 5
-buckets, tokens/requests/preemption counters, running/waiting/KV gauges, ``up`` and
+``python benchmarks/fleet_scale.py [--replicas 500] [--days 7] [--interval 900]`` writes a
+synthetic vLLM fleet as OpenMetrics (per replica, 37 series: e2e/queue/decode histograms with
+vLLM's bucket bounds thinned to 8, token and request counters, running/waiting/KV gauges, ``up``,
 ``vllm:cache_config_info``), backfills it with ``promtool tsdb create-blocks-from openmetrics``,
 starts Prometheus on that TSDB on 127.0.0.1, then times two commands, each in its own process:
 ``layerscope diagnose --prometheus URL --around`` (find the rollout, diagnose it) and
@@ -84,7 +84,7 @@ def families(model: dict) -> list[tuple[str, str, list[tuple[str, np.ndarray]]]]
     lab = {name: f'instance="{name}",job="{JOB}"' for name in reps}
     out = []
     for fam, key in (("vllm:e2e_request_latency_seconds", None), ("vllm:request_queue_time_seconds", "queue"),
-                     ("vllm:request_prefill_time_seconds", "prefill"), ("vllm:request_decode_time_seconds", "decode")):
+                     ("vllm:request_decode_time_seconds", "decode")):
         out.append((fam, "histogram", [x for name, r in reps.items() for x in _hist_series(
             fam, lab[name], r["n"], r["queue"] + r["prefill"] + r["decode"] if key is None else r[key])]))
     for fam, key in (("vllm:generation_tokens", "tokens"), ("vllm:request_success", "n")):
@@ -112,11 +112,12 @@ def write_openmetrics(model: dict, out: Path, block_s: int = 7200) -> list[tuple
         if not len(idx):
             continue
         path, lines = out / f"block-{lo}.om", 0
+        times = ts[idx].tolist()
         with open(path, "w") as f:
             for fam, kind, series in fams:
                 f.write(f"# TYPE {fam} {kind}\n")
                 for sample, values in series:
-                    rows = [f"{sample} {values[i]:.4f} {ts[i]}" for i in idx if values[i] == values[i]]
+                    rows = [f"{sample} {v:.4f} {t}" for t, v in zip(times, values[idx].tolist()) if v == v]
                     if rows:
                         f.write("\n".join(rows) + "\n")
                         lines += len(rows)
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replicas", type=int, default=500)
     ap.add_argument("--days", type=float, default=7.0)
-    ap.add_argument("--interval", type=int, default=600, help="seconds between samples (default 10 min)")
+    ap.add_argument("--interval", type=int, default=900, help="seconds between samples (default 15 min)")
     args = ap.parse_args(argv)
     prom_bin, promtool = shutil.which("prometheus"), shutil.which("promtool")
     if not prom_bin or not promtool:
