@@ -207,14 +207,19 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
+def prometheus_cpu_s(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return next(float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("process_cpu_seconds_total "))
+
+
 def run_child(cmd: list[str]) -> dict:
     """``cmd`` under a wrapper process that reports its own peak RSS (ru_maxrss of RUSAGE_CHILDREN
     of a fresh process counts only this command)."""
     wrapper = ("import resource,subprocess,sys,time,json;t=time.perf_counter();"
                "p=subprocess.run(sys.argv[1:],capture_output=True,text=True);w=time.perf_counter()-t;"
-               "r=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss;"
-               "sys.stderr.write(p.stderr);sys.stdout.write(json.dumps({'rc':p.returncode,'wall_s':w,'maxrss_kb':r,"
-               "'out':p.stdout}))")
+               "u=resource.getrusage(resource.RUSAGE_CHILDREN);"
+               "sys.stderr.write(p.stderr);sys.stdout.write(json.dumps({'rc':p.returncode,'wall_s':w,"
+               "'maxrss_kb':u.ru_maxrss,'cpu_s':u.ru_utime+u.ru_stime,'out':p.stdout}))")
     p = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True)
     if p.returncode != 0 or not p.stdout:
         raise RuntimeError(f"{cmd}: {p.stderr[-2000:]}")
@@ -250,18 +255,23 @@ def main(argv: list[str] | None = None) -> int:
             ls = [sys.executable, "-m", "layerscope"]
             sel = '{job="vllm"}'
             mid = (start + end) / 2
+            c0 = prometheus_cpu_s(url)
             diag = run_child(ls + ["diagnose", "--prometheus", url, "--selector", sel, "--around",
                                    f"{int((end - start) / 2)}s", "--at", str(mid), "--json"])
+            c1 = prometheus_cpu_s(url)
             fl = run_child(ls + ["fleet", "--prometheus", url, "--selector", sel, "--window",
                                  f"{model['last_day']}..{end}", "--json"])
+            diag["prom_cpu_s"], fl["prom_cpu_s"] = c1 - c0, prometheus_cpu_s(url) - c1
         finally:
             stop(proc)
     print(f"load after: {os.getloadavg()}")
     for what, r in (("diagnose --around (find the rollout, diagnose it)", diag), ("fleet (last day)", fl)):
-        print(f"{what}: rc {r['rc']}, wall {r['wall_s']:.2f} s, peak RSS {r['maxrss_kb'] / 1024:.0f} MB")
+        print(f"{what}: rc {r['rc']}, wall {r['wall_s']:.2f} s, peak RSS {r['maxrss_kb'] / 1024:.0f} MB, "
+              f"CPU ours {r['cpu_s']:.2f} s, Prometheus's {r['prom_cpu_s']:.2f} s")
         if r["rc"] != 0:
             print(r["stderr"][-3000:])
     d = json.loads(diag["out"])
+    print(f"before {d['prometheus']['before']}, after {d['prometheus']['after']}")
     f = json.loads(fl["out"])
     print(f"rollout injected at {model['roll']} (+0..30 min per replica); found at {d['rollout']['time']} "
           f"({d['rollout']['found_by']}, {len(d['rollout']['replicas'])} replicas changed)")

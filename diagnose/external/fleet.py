@@ -42,6 +42,7 @@ CHECKS: dict[str, tuple[int, str | None, str, float]] = {
     "output_tokens_per_s": (-1, None, "output tokens/s", 0.1),
 }
 SPLIT = ("queue_mean_s", "prefill_mean_s", "decode_mean_s")
+MAX_SIDE_S = 86400.0  # the rollout's before/after windows: at most a day each
 CHANGE_POINTS = 200  # points of the fleet latency series searched for change points (O(n^2) each)
 
 
@@ -275,13 +276,25 @@ def diagnose_windows(prom: Prom, selector: str | None, before: tuple[float, floa
     return result
 
 
+def rollout_windows(ro: dict[str, Any], start: float, end: float) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Before and after the rollout: the segments the other change points leave it (as Otava compares
+    the segments between change points), each at most MAX_SIDE_S, skipping ``guard_s`` around it."""
+    t, t_last, g = ro["t"], ro["t_last"], ro["guard_s"]
+    tol = max(10 * ro["step_s"], 2 * ro["rate_window_s"])
+    others = [p["t"] for p in ro["change_points"] if p["t"] < t - tol or p["t"] > t_last + tol]
+    lo = max([start, t - MAX_SIDE_S] + [c for c in others if c < t])
+    hi = min([end, t_last + MAX_SIDE_S] + [c for c in others if c > t_last])
+    if t - g - lo < 4 * ro["step_s"] or hi - t_last - g < 4 * ro["step_s"]:  # a segment too short: the cap only
+        lo, hi = max(start, t - MAX_SIDE_S), min(end, t_last + MAX_SIDE_S)
+    return (lo, t - g), (t_last + g, hi)
+
+
 def diagnose_around(prom: Prom, selector: str | None, start: float, end: float, *, by: str = "instance",
                     out: str | None = None) -> dict[str, Any]:
     """``diagnose --prometheus URL --around 6h``: find the rollout, then diagnose it."""
     src = open_source(prom, selector, start, end, by)
     ro = find_rollout(src, start, end)
-    g = ro["guard_s"]
-    before, after = (start, ro["t"] - g), (ro["t_last"] + g, end)
+    before, after = rollout_windows(ro, start, end)
     if before[1] <= before[0] or after[1] <= after[0]:
         raise PrometheusError(f"the change at {ro['time']} leaves no window on one side (guard {g:.0f} s): widen "
                               "--around")
