@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from layerscope.diagnose.external.prometheus import (Prom, PrometheusError, import_prometheus, iso, parse_duration,
+from layerscope.diagnose.external.prometheus import (Prom, PrometheusError, import_prometheus, parse_duration,
                                                      parse_range, parse_time)
 
 
@@ -230,5 +230,3 @@ def _extend_diagnose(p: argparse.ArgumentParser) -> None:
 
     p.set_defaults(func=route)
 
-
-__all__ = ["add_commands", "iso"]
