@@ -65,9 +65,9 @@ def _selector(by: Sequence[str]) -> str:
 def commands(a: Alert) -> dict[str, str]:
     """Annotations with the layerscope commands for the alert's window (docs/fleet.md)."""
     conn = f"--prometheus {{{{ $externalURL }}}} --selector '{_selector(a.by)}' --by replica"
-    out = {"layerscope_diagnose": f"layerscope diagnose {conn} --around {AROUND} --at {AT}"}
+    out = {"diagnose": f"layerscope diagnose {conn} --around {AROUND} --at {AT}"}
     if tuple(a.by) == BY_MODEL:
-        out["layerscope_fleet"] = f"layerscope fleet {conn} --last {AROUND}"
+        out["fleet"] = f"layerscope fleet {conn} --last {AROUND}"
     return out
 
 
