@@ -5,7 +5,8 @@ median, with a robust scale (MAD, floored at a share of the median and an absolu
 metric); an outlier is named with the layer its own server-side split points at.
 ``find_rollout``: change points (E-divisive means, ``diagnose.changepoints``) in the fleet's mean
 latency, aligned with the times replicas' info-metric labels (config, version) changed;
-``diagnose_rollout`` compares before and after on the replicas that changed, as two external bundles.
+``diagnose_windows`` compares before and after on the replicas that changed, as two external bundles;
+``import_prometheus`` writes one window as a bundle.
 """
 
 from __future__ import annotations
@@ -158,6 +159,18 @@ def fleet_report(prom: Prom, selector: str | None, start: float, end: float, *, 
             "outliers": outliers, "pools": pools(t) if pool_label else [], "num_queries": prom.num_queries}
 
 
+def import_prometheus(prom: Prom, selector: str | None, start: float, end: float, out: str | Path, *,
+                      by: str = "instance", overwrite: bool = False, command: list[str] | None = None) -> Path:
+    """``layerscope import prometheus``: one window of the selector into an external bundle."""
+    src = open_source(prom, selector, start, end, by)
+    w = read_window(src, start, end)
+    if not w.replicas:
+        raise PrometheusError(f"{selector}: no replica (label {by!r}) has data between {iso(start)} and {iso(end)}")
+    engine = engine_of(src, info_labels(src, end, end - start))
+    return write_bundle(src, w, out, engine, overwrite=overwrite,
+                        command=command or ["layerscope", "import", "prometheus", prom.url])
+
+
 # ---- the rollout ----------------------------------------------------------------------------------
 def scrape_interval(src: Source, t: float) -> float:
     """The median gap between one replica's raw ``up`` samples over the last hour to ``t``."""
@@ -260,7 +273,7 @@ def diagnose_windows(prom: Prom, selector: str | None, before: tuple[float, floa
     try:
         paths = []
         for name, (a, b) in (("before", before), ("after", after)):
-            w = read_window(src, a, b, narrow)
+            w = read_window(src, a, b, narrow, per_replica=out is not None)  # kept bundles get the table
             if not w.replicas:
                 raise PrometheusError(f"{selector}: no data {name} ({iso(a)}..{iso(b)})")
             engine = engine_of(src, info_labels(src, b, b - a, narrow), replicas)

@@ -13,8 +13,7 @@ import sys
 import time
 from typing import Any
 
-from layerscope.diagnose.external.prometheus import (Prom, PrometheusError, import_prometheus, parse_duration,
-                                                     parse_range, parse_time)
+from layerscope.diagnose.external.prometheus import Prom, PrometheusError, parse_duration, parse_range, parse_time
 
 
 def _conn_args(p: argparse.ArgumentParser, url: str) -> None:
@@ -64,6 +63,8 @@ def _fail(e: Exception) -> int:
 
 # ---- import prometheus -------------------------------------------------------------------------------
 def cmd_import_prometheus(args: argparse.Namespace) -> int:
+    from layerscope.diagnose.external.fleet import import_prometheus
+
     try:
         start, end = _window(args)
         path = import_prometheus(_prom(args, args.url), args.selector, start, end, args.out, by=args.by,

@@ -231,31 +231,36 @@ def replica_label(prom: Prom, m: str, resolved: Resolved, by: str, start: float,
 
 
 # ---- one window, per replica ---------------------------------------------------------------------
-def _vec(result: list[dict], by: str, extra: str | None = None) -> dict:
-    """{replica: value} or {(replica, extra): value} from an instant vector."""
+def _vec(result: list[dict], by: str | None, extra: str | None = None) -> dict:
+    """{replica: value} or {(replica, extra): value} from an instant vector (by None: "fleet")."""
     out = {}
     for r in result:
-        k = r["metric"].get(by, "")
+        k = r["metric"].get(by, "") if by else "fleet"
         out[(k, r["metric"].get(extra, "")) if extra else k] = float(r["value"][1])
     return out
 
 
-def window_queries(src: Source, end: float, dur: float, narrow: str = "") -> dict[str, str]:
-    d, by, m = promql_duration(dur), src.by, ",".join(x for x in (src.m, narrow) if x)
+def window_queries(src: Source, end: float, dur: float, narrow: str = "", by: str | None = None) -> dict[str, str]:
+    """The window's queries, per replica (``by``) or for the fleet in one row (None: what a
+    comparison needs; a few numbers come back instead of one row per replica and bucket)."""
+    d, m = promql_duration(dur), ",".join(x for x in (src.m, narrow) if x)
+    g, gle = (f"by ({by})", f"by ({by}, le)") if by else ("", "by (le)")
     q: dict[str, str] = {}
     for c in HISTOGRAMS:
         if src.metric(c) is None:
             continue
         if c in BUCKETED:  # the +Inf bucket is the count
-            q[f"{c}:bucket"] = f"sum by ({by}, le) (increase({sel(src.metric(c, '_bucket'), m)}[{d}]))"
+            q[f"{c}:bucket"] = f"sum {gle} (increase({sel(src.metric(c, '_bucket'), m)}[{d}]))"
         for part in ("sum",) if c in BUCKETED else ("sum", "count"):
-            q[f"{c}:{part}"] = f"sum by ({by}) (increase({sel(src.metric(c, '_' + part), m)}[{d}]))"
+            q[f"{c}:{part}"] = f"sum {g} (increase({sel(src.metric(c, '_' + part), m)}[{d}]))"
     for c in COUNTERS:
         if src.metric(c) is not None:
-            q[c] = f"sum by ({by}) (increase({sel(src.metric(c), m)}[{d}]))"
+            q[c] = f"sum {g} (increase({sel(src.metric(c), m)}[{d}]))"
     if src.metric("requests_finished") is not None:
         bad = sel(src.metric("requests_finished"), m, 'finished_reason=~"abort|error"')
-        q["aborted_reason"] = f"sum by ({by}) (increase({bad}[{d}]))"
+        q["aborted_reason"] = f"sum {g} (increase({bad}[{d}]))"
+    if not by:
+        return q  # the fleet's gauges come as series (fleet_series)
     for c in GAUGES:
         if src.metric(c) is not None:
             q[f"{c}:mean"] = f"sum by ({by}) (avg_over_time({sel(src.metric(c), m)}[{d}]))"
@@ -274,6 +279,7 @@ class Window:
     counters: dict[str, dict[str, float]]
     gauges: dict[str, dict[str, float]]  # "kv_usage:mean" -> replica -> value
     replicas: list[str]
+    per_replica: bool = True  # False: one "fleet" row (what a comparison needs)
 
     def total_hist(self, c: str) -> tuple[list[float], list[float], float, float] | None:
         hs = list(self.hists.get(c, {}).values())
@@ -284,25 +290,26 @@ class Window:
         return bounds, counts, sum(h[2] for h in hs), sum(h[3] for h in hs)
 
 
-def read_window(src: Source, start: float, end: float, narrow: str = "") -> Window:
-    res = src.prom.many(window_queries(src, end, end - start, narrow), end)
+def read_window(src: Source, start: float, end: float, narrow: str = "", per_replica: bool = True) -> Window:
+    by = src.by if per_replica else None
+    res = src.prom.many(window_queries(src, end, end - start, narrow, by), end)
     hists: dict[str, dict] = {}
     for c in HISTOGRAMS:
         if f"{c}:sum" not in res:
             continue
-        sums = _vec(res[f"{c}:sum"], src.by)
+        sums = _vec(res[f"{c}:sum"], by)
         per: dict[str, dict[float, float]] = {}
         if f"{c}:bucket" in res:
-            for (rep, le), v in _vec(res[f"{c}:bucket"], src.by, "le").items():
+            for (rep, le), v in _vec(res[f"{c}:bucket"], by, "le").items():
                 per.setdefault(rep, {})[float(le)] = v
         else:  # means only: one +Inf bucket holding the count
-            per = {rep: {math.inf: v} for rep, v in _vec(res[f"{c}:count"], src.by).items()}
+            per = {rep: {math.inf: v} for rep, v in _vec(res[f"{c}:count"], by).items()}
         hists[c] = {rep: (sorted(b), [b[k] for k in sorted(b)], sums.get(rep, 0.0), b.get(math.inf, 0.0))
                     for rep, b in per.items()}
-    counters = {c: _vec(res[c], src.by) for c in (*COUNTERS, "aborted_reason") if c in res}
-    gauges = {k: _vec(v, src.by) for k, v in res.items() if k.endswith((":mean", ":max")) or k == "up"}
+    counters = {c: _vec(res[c], by) for c in (*COUNTERS, "aborted_reason") if c in res}
+    gauges = {k: _vec(v, by) for k, v in res.items() if k.endswith((":mean", ":max")) or k == "up"}
     reps = sorted({r for d in (*hists.values(), *counters.values(), *gauges.values()) for r in d} - {""})
-    return Window(start, end, hists, counters, gauges, reps)
+    return Window(start, end, hists, counters, gauges, reps, per_replica)
 
 
 def _mean(h) -> float:
@@ -423,7 +430,8 @@ def write_bundle(src: Source, w: Window, out: str | Path, engine: dict[str, Any]
     pq.write_table(REQUESTS.empty_table(), p / "requests.parquet")
     (p / "metrics.prom").write_text(exposition_text(src, w))
     pq.write_table(fleet_series(src, w.start, w.end, narrow), p / "scrapes.parquet")
-    pq.write_table(pa.Table.from_pandas(replica_table(w), preserve_index=False), p / "replicas.parquet")
+    if w.per_replica:
+        pq.write_table(pa.Table.from_pandas(replica_table(w), preserve_index=False), p / "replicas.parquet")
     manifest = {
         "run_id": p.name, "command": command, "start_ns": int(w.start * 1e9), "end_ns": int(w.end * 1e9),
         "start_time": iso(w.start), "workload": {}, "summary": {"client": {"duration_s": w.end - w.start}},
@@ -434,15 +442,3 @@ def write_bundle(src: Source, w: Window, out: str | Path, engine: dict[str, Any]
     }
     (p / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
     return p
-
-
-def import_prometheus(prom: Prom, selector: str | None, start: float, end: float, out: str | Path, *,
-                      by: str = "instance", overwrite: bool = False, command: list[str] | None = None) -> Path:
-    """``layerscope import prometheus``: one window of the selector into an external bundle."""
-    src = open_source(prom, selector, start, end, by)
-    w = read_window(src, start, end)
-    if not w.replicas:
-        raise PrometheusError(f"{selector}: no replica (label {by!r}) has data between {iso(start)} and {iso(end)}")
-    engine = engine_of(src, info_labels(src, end, end - start))
-    return write_bundle(src, w, out, engine, overwrite=overwrite,
-                        command=command or ["layerscope", "import", "prometheus", prom.url])

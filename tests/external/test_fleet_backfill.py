@@ -21,8 +21,8 @@ import pandas as pd
 import pytest
 
 from layerscope.cli import main
-from layerscope.diagnose.external.fleet import diagnose_around, diagnose_windows, fleet_report
-from layerscope.diagnose.external.prometheus import Prom, PrometheusError, import_prometheus
+from layerscope.diagnose.external.fleet import diagnose_around, diagnose_windows, fleet_report, import_prometheus
+from layerscope.diagnose.external.prometheus import Prom, PrometheusError
 
 ROOT = Path(__file__).resolve().parents[2]
 SEL = '{job="vllm"}'
