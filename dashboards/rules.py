@@ -47,6 +47,28 @@ class Alert:
     layer: str
     summary: str
     description: str
+    by: Sequence[str] = BY_MODEL
+
+
+# The alert's window, for the commands in its annotations: Prometheus templates have no "now", so a
+# query of time() at evaluation (the firing time in the first notification) stands for it.
+AT = '{{ with query "time()" }}{{ . | first | value | printf "%.0f" }}{{ end }}'
+AROUND = "1h"
+
+
+def _selector(by: Sequence[str]) -> str:
+    """Label matchers of the alert's series for ``--selector`` (the engine replicas, not the gateway's view)."""
+    own = [f'{k}="{{{{ $labels.{k} }}}}"' for k in by]
+    return "{" + ",".join(own + (['replica!="gateway"'] if "replica" not in by else [])) + "}"
+
+
+def commands(a: Alert) -> dict[str, str]:
+    """Annotations with the layerscope commands for the alert's window (docs/fleet.md)."""
+    conn = f"--prometheus {{{{ $externalURL }}}} --selector '{_selector(a.by)}' --by replica"
+    out = {"diagnose": f"layerscope diagnose {conn} --around {AROUND} --at {AT}"}
+    if tuple(a.by) == BY_MODEL:
+        out["fleet"] = f"layerscope fleet {conn} --last {AROUND}"
+    return out
 
 
 def _record_name(level: Sequence[str], metric: str, ops: str) -> str:
@@ -99,7 +121,7 @@ def build_rules(metrics: Sequence[MetricDef] = METRICS) -> dict:
         kv.layer, f"KV-cache usage above {_fmt(KV_USAGE_MAX * 100)}%",
         f"KV-cache usage of {{{{ $labels.model_name }}}} replica {{{{ $labels.replica }}}} is "
         f"{{{{ $value | humanizePercentage }}}}; new requests wait for blocks and running ones get preempted. "
-        f"{kv.help}"))
+        f"{kv.help}", BY_REPLICA))
     pre = m("layerscope_num_preemptions_total")
     rec = _record_name(BY_REPLICA, pre.name.removesuffix("_total"), f"rate{WINDOW}")
     records.append(Recording(rec, q_rate(pre, SCOPE, BY_REPLICA)))
@@ -107,7 +129,7 @@ def build_rules(metrics: Sequence[MetricDef] = METRICS) -> dict:
         "LayerscopeKVCacheExhausted", f"{rec} > 0", ALERT_FOR, "warning", pre.layer,
         "requests are being preempted: the KV pool is exhausted",
         f"Replica {{{{ $labels.replica }}}} of {{{{ $labels.model_name }}}} preempts {{{{ $value | humanize }}}} "
-        f"requests/s over {WINDOW}: the KV-cache pool runs out of blocks. {pre.help}"))
+        f"requests/s over {WINDOW}: the KV-cache pool runs out of blocks. {pre.help}", BY_REPLICA))
 
     for name, short in (("layerscope_num_requests_waiting", "Engine"), ("layerscope_gateway_queue_length", "Gateway")):
         g = m(name)
@@ -127,7 +149,7 @@ def build_rules(metrics: Sequence[MetricDef] = METRICS) -> dict:
         {"name": "layerscope-slo-alerts", "rules": [
             {"alert": a.alert, "expr": a.expr, "for": a.for_,
              "labels": {"severity": a.severity, "layer": a.layer},
-             "annotations": {"summary": a.summary, "description": a.description}}
+             "annotations": {"summary": a.summary, "description": a.description, **commands(a)}}
             for a in alerts]},
     ]}
 

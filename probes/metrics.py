@@ -331,7 +331,23 @@ def vllm_dialect(text: str, cache_config: dict[str, Any] | None = None) -> str:
         lab = ",".join(f'{k}="{v}"' for k, v in sorted(cache_config.items()))
         out += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig (layerscope, vLLM dialect)",
                 "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{lab}}} 1.0"]
+        out += config_info_lines(cache_config)
     return "\n".join(out) + "\n" if out else ""
+
+
+CONFIG_INFO = "layerscope_config_info"
+
+
+def config_info_lines(config: dict[str, Any]) -> list[str]:
+    """``layerscope_config_info``: the config keys and the layerscope version as labels (value 1), so a
+    Prometheus that keeps our series can tell a rollout's config or version change (docs/fleet.md)."""
+    from layerscope import __version__
+
+    labels = {**{k: v for k, v in config.items() if v is not None}, "version": __version__}
+    lab = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                   for k, v in sorted(labels.items()))
+    return [f"# HELP {CONFIG_INFO} The server's config keys and layerscope version (labels)",
+            f"# TYPE {CONFIG_INFO} gauge", f"{CONFIG_INFO}{{{lab}}} 1.0"]
 
 
 def vllm_cache_config(config: dict[str, Any], resolved: list[dict[str, Any]] | None = None) -> dict[str, Any]:

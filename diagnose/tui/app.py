@@ -15,7 +15,7 @@ says that it is live and when the last part arrived (LiveStatus). A bundle that 
 stays on screen; one with no part yet shows "waiting for the first part".
 
 Screens: RunsScreen (no RUN given) -> OverviewScreen -> RequestsScreen -> DetailScreen,
-StepsScreen, CompareScreen (two runs), ErrorScreen, HelpScreen.
+StepsScreen, CompareScreen (two runs), ErrorScreen, HelpScreen; FleetScreen (fleet_screen.FleetApp: `fleet --tui`).
 """
 
 from __future__ import annotations

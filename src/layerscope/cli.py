@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     for extra in EXTRA_PARSERS:
         extra(sub)
     _add_counterfactual(sub)
+    _add_prometheus_commands(sub)  # after the counterfactual: it wraps diagnose's command again
     return parser
 
 
@@ -144,6 +145,14 @@ def _add_counterfactual(sub) -> None:
             dcli._emit = emit
 
     p.set_defaults(func=diagnose_with_counterfactual)
+
+
+def _add_prometheus_commands(sub) -> None:
+    """``import prometheus``, ``diagnose --prometheus``, ``fleet`` (docs/fleet.md): added after the
+    other subcommands, since they extend ``import`` and ``diagnose``."""
+    from layerscope.diagnose.external.prom_cli import add_commands
+
+    add_commands(sub)
 
 
 # Later subsystems register their subcommands here: fn(subparsers) -> None.
