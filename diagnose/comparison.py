@@ -26,9 +26,14 @@ from layerscope.diagnose.config_diff import (can_move, change_text, config_diff,
                                             same_software)
 from layerscope.diagnose.load import Run
 from layerscope.diagnose.machine import (higher_is_worse, machine_diff, machine_json, machine_relevant,
-                                        machine_verdict, same_software_verdict, unstable)
+                                        machine_verdict, same_software_verdict)
 from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, against_improvement, beyond_floor, block_means,
-                                      compare_quantile, compare_rate, sensitivity)
+                                      compare_quantile, compare_rate, holm, sensitivity)
+from layerscope.diagnose.contention import could_not_see, hidden_change
+from layerscope.diagnose.headline import DIRECTIONAL, headline, order_by_direction
+from layerscope.diagnose.headline import primary as headline_primary
+from layerscope.diagnose.work import METRIC as WORK_METRIC
+from layerscope.diagnose.work import layer_of, work_change
 from layerscope.diagnose.workload import workload_diff
 
 SCHEMA = "layerscope.diagnosis/1"
@@ -111,7 +116,9 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     env = machine_diff(a, b)
     # both runs' machines were recorded and did not differ (nor vary, unless the change held over
     # interleaved repetitions): a slowdown of every phase alike is then not the machine's
-    same_machine = bool(env.get("recorded") and not env.get("changed") and (attribute or not unstable(env)))
+    # the machine was measured in both runs: a slowdown of every phase alike is then judged by the
+    # contention measurements (contention.settle), not put down to the machine by the uniform-factor rule
+    same_machine = bool(env.get("recorded"))
     causes = Causes(a, b, changed_keys, workload_changed, bool((cdiff["kind"] == "hardware").any()),
                     same_machine=same_machine, machine=env)
     the_slo = slos(a, slo)
@@ -138,6 +145,9 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     metrics[THROUGHPUT] = _throughput(a, b, rule, saturated)
     good_a, good_b = meets_slo(a.ok, the_slo), meets_slo(b.ok, the_slo)  # a.ok is in arrival order
     metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule, saturated)
+    work = work_change(a, b, rule)  # None unless both runs' steps carry their CPU wait
+    if work is not None:
+        metrics[WORK_METRIC] = work
 
     attribution: dict[str, pd.DataFrame] = {}
     for name, m, q, _ in LATENCY_METRICS:
@@ -151,25 +161,37 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     attribution[THROUGHPUT] = comp
     labels = {name: f"{m.upper()} p{int(q * 100)}" for name, m, q, _ in LATENCY_METRICS}
     labels[THROUGHPUT] = "time per output token"
+    labels[WORK_METRIC] = "step own time"
 
     def explain(name: str) -> list[dict]:
         """The findings of one metric's change (where it went, layer by layer, and why)."""
         if name == GOODPUT:
             return _goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
+        if name == WORK_METRIC:
+            return [_work_finding(metrics[WORK_METRIC])]
         return _findings(name, attribution[name], causes, metrics[name], labels[name])
 
+    holm(metrics, rule)
     findings = [f for name in metrics if metrics[name]["significant"] or name in attribute for f in explain(name)]
-    verdict = _verdict(metrics, workload_changed)
-    same = same_software(a.run.manifest, b.run.manifest, cdiff) if verdict in ("regression", "improvement") else None
+    verdict = "workload_changed" if workload_changed else headline(metrics)
+    inconclusive, could = None, None
+    same = same_software(a.run.manifest, b.run.manifest, cdiff) if verdict in DIRECTIONAL else None
     if same:  # nothing of the software differs: no software layer can be the cause
         verdict, findings = same_software_verdict(metrics, findings, env, causes, same)
-    elif verdict in ("regression", "improvement") and machine_relevant(env):
+    elif verdict in DIRECTIONAL and machine_relevant(env):
         # regress (``attribute``) established the change over interleaved repetitions: a machine that
         # varied hit both versions alike there, so only a machine that differed explains it
-        verdict, findings = machine_verdict(verdict, metrics, findings, env, causes, cdiff,
-                                            interleaved=bool(attribute))
+        verdict, findings, inconclusive = machine_verdict(verdict, metrics, findings, env, causes, cdiff,
+                                                          interleaved=bool(attribute), work=work, rule=rule)
+    elif verdict == "no_change" and machine_relevant(env):  # a busier baseline goes through the same check
+        inconclusive = hidden_change(metrics, env, causes, work, rule)
+        if inconclusive is not None:
+            verdict = "inconclusive"
+            findings = [inconclusive.pop("finding")] + findings
+        else:
+            could = could_not_see(metrics, env, causes, work, rule)
     against = against_improvement(metrics, rule, higher_is_worse) if verdict == "improvement" else []
-    if against:  # better on one metric, worse on another: a trade-off, not an improvement
+    if against:  # better on one metric, worse on another at 95 %: a trade-off, not an improvement
         verdict = "mixed"
         for name in against:
             metrics[name]["against"] = True
@@ -188,10 +210,9 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     cdiff = mark_consistency(cdiff, changed_layers if verdict != "no_change" else set())
     for f in findings:
         f["config_changes"] = [change_text(r) for r in cdiff.to_dict("records") if can_move(r["layer"], {f["layer"]})]
-    primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
-               else None)
-    if primary is not None and findings[0].get("alternatives"):  # can't tell: the layer both share, both named
-        primary["alternatives"] = [a["layer"] for a in findings[0]["alternatives"]]
+    primary = headline_primary(findings, verdict, metrics)
+    if verdict == "inconclusive" and inconclusive and inconclusive.get("layer"):
+        primary = {"metric": inconclusive["metric"], "layer": inconclusive["layer"]}
     diagnosis = {
         "schema": SCHEMA,
         "baseline": a.name,
@@ -199,6 +220,8 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         "verdict": verdict,
         "metrics": {k: _clean(v) for k, v in metrics.items()},
         "findings": findings if verdict != "no_change" else [f for f in findings if f["metric"] in attribute],
+        **({"inconclusive": {k: _num(v) for k, v in inconclusive.items()}} if inconclusive else {}),
+        **({"could_not_see": could} if could else {}),
         "primary": primary,
         "config_diff": diff_records(cdiff),
         "workload_diff": [{k: _num(v) for k, v in r.items()} for r in wdiff.to_dict("records")],
@@ -391,26 +414,33 @@ def _goodput_findings(a: RunAnalysis, b: RunAnalysis, slo: dict, causes: Causes,
 
 
 def order_findings(findings: list[dict], metrics: dict, verdict: str) -> list[dict]:
-    """Findings by score (popped), highest first; under a ``regression`` verdict the findings of
-    metrics that got worse come first, so that the primary finding explains the regression: a
-    config change that made TPOT much better and TTFT worse (max_num_seqs 64 -> 1 under a burst)
-    is a regression of TTFT, not "output processing got faster"."""
-    out = sorted(findings, key=lambda f: -f.pop("_score"))
-    if verdict == "regression":
-        out.sort(key=lambda f: not (metrics.get(f["metric"]) or {}).get("worse", False))  # stable
-    elif verdict == "mixed":  # what got worse leads: the cost of the trade-off
-        out.sort(key=lambda f: not (metrics.get(f["metric"]) or {}).get("against", False))
+    """Findings in the headline's order (headline.order_by_direction: those explaining a change in the
+    verdict's direction first, largest first), the rest by score (popped). Under a ``regression`` a
+    config change that made TPOT much better and TTFT worse (max_num_seqs 64 -> 1 under a burst) is
+    explained by the TTFT finding, not "output processing got faster"."""
+    out = sorted(findings, key=lambda f: -f["_score"])
+    for f in out:
+        sc = f.pop("_score")
+        if 1e9 <= sc < math.inf:  # machine_verdict's software change that stands out
+            f["_pinned"] = True
+    out = order_by_direction(out, metrics, verdict)
+    for f in out:
+        f.pop("_pinned", None)
     return out
 
 
-def _verdict(metrics: dict, workload_changed: bool) -> str:
-    if workload_changed:
-        return "workload_changed"
-    if any(m["worse"] for m in metrics.values()):
-        return "regression"
-    if any(m["significant"] for m in metrics.values()):
-        return "improvement"
-    return "no_change"
+def _work_finding(w: dict) -> dict:
+    """The step's own time moved at equal batch shape, the CPU wait taken out: more (less) work per step."""
+    word = "grew" if w["delta_pct"] > 0 else "shrank"
+    return {"metric": WORK_METRIC, "layer": layer_of(w), "share": 1.0, "delta_s": w["candidate"] - w["baseline"],
+            "cause": f"the work per step {word} at equal batch shape, with the wait for a CPU taken out",
+            "evidence": [f"step own time (wall - CPU wait) {ms(w['baseline'])} -> {ms(w['candidate'])} per step at "
+                         f"equal batch shape ({w['delta_pct']:+.0f}%)",
+                         f"forward own time x{w['forward_own_ratio']:.2f}, the rest of the step x{w['rest_own_ratio']:.2f}",
+                         f"the step loop waited for a CPU {w['wait_share'][0]:.0%} -> {w['wait_share'][1]:.0%} of "
+                         "its wall time"],
+            "config_changes": [], "alternatives": [], "machine_share": _num(w.get("machine_share")),
+            "_score": abs(w["delta_pct"]) * (1.0 if w["worse"] else 0.01), "_measured": []}
 
 
 def _workload_finding(metrics: dict, wdiff: pd.DataFrame) -> dict:

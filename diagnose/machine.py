@@ -217,13 +217,18 @@ def _routing_moved(causes) -> str | None:
 
 
 def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, causes,
-                     cdiff: pd.DataFrame, interleaved: bool = False) -> tuple[str, list[dict]]:
+                     cdiff: pd.DataFrame, interleaved: bool = False, work: dict | None = None,
+                     rule=None) -> tuple[str, list[dict], dict | None]:
     """The runs' machines differed (machine.machine_diff). Changes in the direction the machine
     predicts become ``environment_changed`` with one ``hardware`` finding per metric, unless a
     software change stands out beyond what the machine explains: one step phase changed by a
     factor well beyond the others' (``Causes.standout_phase``), or a config key changed that
     can move the layer the cause rules named. Then the software finding stays, and the machine
-    difference is added to its evidence. ``interleaved``: see ``machine_explains``."""
+    difference is added to its evidence. Otherwise the contention measurements decide, metric by metric
+    (``contention.settle``): a software finding is kept with the machine's share beside it, a change they
+    cannot separate is ``inconclusive``, one they account for ``environment_changed``.
+    ``interleaved``: see ``machine_explains``. Returns (verdict, findings, inconclusive or None).
+    ``work``: ``work.work_change`` of the runs (None without the steps' work columns)."""
     sig = [n for n, m in metrics.items() if m["significant"]]
     explained = [n for n in sig if machine_explains(metrics[n], higher_is_worse(n), env, interleaved)]
     note = ("the machine differed too: " if env.get("changed") else "the machine: ") + "; ".join(env["evidence"])
@@ -263,7 +268,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     if not explained:
         for f in findings:
             f["evidence"].append(note)
-        return verdict, findings
+        return verdict, findings, None
     # a phase stands out when it moved beyond the other phases by more than the machine's own speed
     # range (the yardstick's slowest/fastest): multi-threaded phases suffer more from contention
     rng = env.get("machine_range")
@@ -309,9 +314,12 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
                 # between the standout phase and a config change's layer, the larger share is named)
                 f["_score"] += 1e9  # the software change is the finding to name, whatever the machine's share
             out.append(f)
-        return verdict, out
-    kept = [f for f in findings if f["metric"] not in explained]
-    return "environment_changed", _hardware_findings(explained, metrics, findings, env, causes) + kept
+        return verdict, out, None
+    from layerscope.diagnose.contention import settle
+    from layerscope.diagnose.stats import DEFAULT_RULE
+
+    return settle(verdict, metrics, findings, env, causes, explained, work,
+                  lambda names: _hardware_findings(names, metrics, findings, env, causes), rule or DEFAULT_RULE)
 
 
 def same_software_verdict(metrics: dict, findings: list[dict], env: dict, causes, same: str) -> tuple[str, list[dict]]:

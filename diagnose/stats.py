@@ -550,3 +550,48 @@ def repetitions_needed(spread: float, target_pct: float, alpha: float = 0.05, po
         if (student_t_ppf(1 - alpha / 2, df) + student_t_ppf(power, df)) * spread * math.sqrt(2 / k) <= target:
             return k
     return None
+
+
+# ---- the family of metrics: Holm's step-down control, and the interval with the run-to-run spread ------
+def _standardized(rel: float, floor_pct: float, alpha: float) -> float:
+    """A relative change over its total SE (SE = floor / z(1 - alpha/2)), on the ratio scale of
+    ``beyond_floor``: a fall of f / (1 + f) weighs as a rise of f."""
+    se = floor_pct / 100 / z(1 - alpha / 2)
+    if not (math.isfinite(rel) and rel > -1 and se > 0):
+        return math.nan
+    return (rel if rel >= 0 else -rel / (1 + rel)) / se
+
+
+def total_ci(metric: dict, rule: Rule = DEFAULT_RULE) -> list[float] | None:
+    """The ``rule.confidence`` interval of a metric's relative change (percent) with the run-to-run
+    spread in it (the SE the floor is built from), on the ratio scale. The ``ci_pct`` a comparison
+    reports beside it is the within-run bootstrap's alone."""
+    d, floor = metric.get("delta_pct"), metric.get("floor_pct")
+    if d is None or floor is None or not (math.isfinite(d) and math.isfinite(floor)) or d <= -100:
+        return None
+    half = z(1 - (1 - rule.confidence) / 2) * floor / 100 / z(1 - rule.alpha / 2)
+    return [100 * ((1 + d / 100) * math.exp(-half) - 1), 100 * ((1 + d / 100) * math.exp(half) - 1)]
+
+
+def holm(metrics: dict[str, dict], rule: Rule = DEFAULT_RULE) -> None:
+    """Family-wise control over the metrics of one comparison (Holm's step-down at ``rule.alpha``), in
+    place. Each metric's p-value is that of its change against its total SE (within-run bootstrap and
+    run-to-run spread: the floor's), or its Mann-Whitney p where larger; sorted ascending, the i-th of m
+    keeps ``significant`` only if it and every smaller one are <= alpha / (m - i). Adds ``p_family``,
+    ``holm_alpha`` (the level it was held to), ``ci_total_pct`` and ``ci_kind``."""
+    ps: dict[str, float] = {}
+    for name, m in metrics.items():
+        m["ci_total_pct"] = m.get("ci_total_pct") or total_ci(m, rule)
+        m.setdefault("ci_kind", "within_run")
+        t = _standardized((m.get("delta_pct") or math.nan) / 100, m.get("floor_pct") or math.nan, rule.alpha)
+        if math.isfinite(t) and m.get("mde_pct") is not None:  # (a tail too thin to call is no test)
+            p = math.erfc(t / math.sqrt(2))
+            ps[name] = max(p, m["p_value"]) if isinstance(m.get("p_value"), float) else p
+    passing = True
+    for i, (name, p) in enumerate(sorted(ps.items(), key=lambda kv: kv[1])):
+        level = rule.alpha / (len(ps) - i)
+        passing = passing and p <= level
+        m = metrics[name]
+        m.update(p_family=p, holm_alpha=level)
+        if not passing and m.get("significant"):
+            m.update(significant=False, worse=False, holm_rejected=True)
