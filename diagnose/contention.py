@@ -170,7 +170,9 @@ def hidden_change(metrics: dict, env: dict, causes, work: dict | None, rule: Rul
     s = 1.0 if res > 1 else -1.0
     ratios = {k: v for k, v in causes.phase_ratios().items() if math.isfinite(v) and v > 0}
     phase = max(ratios, key=lambda k: s * math.log(ratios[k] / cf)) if ratios else "model"
-    layer = PHASE_LAYERS[phase]
+    # the cause rules name what moved the phase (a routing that moved load onto shared CPUs, a kernel)
+    parts = causes.explain(PHASE_LAYERS[phase], s * 1e-3, STEP_METRIC)
+    layer = max(parts, key=lambda x: abs(x.delta_s)).layer if parts else PHASE_LAYERS[phase]
     p = plan(metrics.get(STEP_METRIC) or {}, STEP_METRIC, res, rule)
     out = _inconclusive(STEP_METRIC, layer, p, j)
     out["text"] = ("inconclusive: no headline metric moved, but the machines differed and, with the contention "
@@ -178,8 +180,9 @@ def hidden_change(metrics: dict, env: dict, causes, work: dict | None, rule: Rul
                    f"{layer}: a change the {'baseline' if s > 0 else 'candidate'}'s busier machine may hide. "
                    + out["text"].split(". ", 1)[1])
     out["finding"] = {"metric": STEP_METRIC, "layer": layer, "share": 1.0, "delta_s": None,
-                      "cause": f"per step at equal batch size, with the contention taken out, {layer} moved "
-                               f"x{ratios.get(phase, math.nan) / cf:.2f}: hidden by the other run's busier machine",
-                      "evidence": [j["text"]] + list(env.get("evidence") or []),
+                      "cause": f"per step at equal batch size, with the contention taken out, {PHASE_LAYERS[phase]} "
+                               f"moved x{ratios.get(phase, math.nan) / cf:.2f}: hidden by the other run's busier "
+                               "machine" + (f" ({parts[0].cause})" if parts and layer != PHASE_LAYERS[phase] else ""),
+                      "evidence": [j["text"]] + [e for x in parts for e in x.evidence] + list(env.get("evidence") or []),
                       "config_changes": [], "alternatives": [], "machine_share": None, "_score": 0.0, "_measured": []}
     return out

@@ -19,6 +19,7 @@ import numpy as np
 from layerscope.diagnose.external import measures as ms
 from layerscope.diagnose.external.config import engine_diff
 from layerscope.diagnose.external.run import ExternalRun, load_external
+from layerscope.diagnose.server_rules import ServerState, server_findings
 from layerscope.diagnose.machine import higher_is_worse, machine_diff, machine_explains, machine_json, machine_relevant
 from layerscope.diagnose.stats import (EXTERNAL_RULE, Rule, against_improvement, beyond_floor, compare_quantile,
                                       compare_rate, quantile, sensitivity)
@@ -74,39 +75,19 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
+def server_state(r: ExternalRun, split, kv, pc, bt) -> ServerState:
+    """What the server's metrics (and log lines) showed, as ``server_rules`` reads it."""
+    return ServerState(waiting_max=bt["waiting_max"], running_max=bt["running_max"], ttft_s=split["ttft_s"],
+                       e2e_s=split["e2e_s"], queue_s=split["queue_time_s"], frontend_s=split["frontend_output_s"],
+                       kv_usage_max=kv["usage_max"], kv_full_share=kv["full_share"], preemptions=kv["preemptions"],
+                       num_requests=split["e2e_count"] or len(r.ok) or None, prefix_hit_rate=pc["hit_rate"],
+                       shares_prefixes=bool(pc["workload_shares_prefixes"]), prefix_source=pc["source"],
+                       caching_enabled=pc["enabled"], max_num_seqs=bt["max_num_seqs"])
+
+
 def single_findings(r: ExternalRun, split, kv, pc, bt) -> list[dict[str, Any]]:
-    out = []
-    shares = split["shares_of_e2e"]
-    q = shares.get("engine.queue")
-    if q is not None and q >= 0.3:
-        ev = [f"queue {split['queue_time_s']:.3f} s of E2E {split['e2e_s']:.3f} s per request (mean, "
-              f"{split['queue_time_count']} requests)"]
-        layer = "engine.queue"
-        if bt["capped_share"]:
-            ev.append(f"running = max_num_seqs ({bt['max_num_seqs']}) with requests waiting on "
-                      f"{_pct(bt['capped_share'])} of scrapes")
-        if kv["usage_max"] is not None and kv["usage_max"] >= ms.KV_FULL:
-            layer = "engine.kv"
-            ev.append(f"KV cache usage peaks at {_pct(kv['usage_max'])} (full on {_pct(kv['full_share'])} of "
-                      "samples): KV-bound, not only queue-bound")
-        out.append({"message": f"requests wait in the engine queue ({_pct(q)} of E2E)", "layer": layer,
-                    "evidence": ev})
-    if (kv["preemptions"] or 0) > 0 or (kv["usage_max"] or 0) >= 0.95:
-        out.append({"message": "KV pressure", "layer": "engine.kv",
-                    "evidence": [f"{int(kv['preemptions'] or 0)} preemptions over the run",
-                                 f"KV usage max {_pct(kv['usage_max'])}, mean {_pct(kv['usage_mean'])}"]})
-    if pc["workload_shares_prefixes"] and pc["hit_rate"] is not None and pc["hit_rate"] < 0.01:
-        why = ("prefix caching is off (enable_prefix_caching=False)" if pc["enabled"] is False else
-               "prefix caching is on but nothing matched" if pc["enabled"] else "prefix caching is off or not matching")
-        out.append({"message": "prefix-cache hit rate 0% while the workload shares prefixes", "layer": "engine.kv",
-                    "evidence": [f"hit rate {_pct(pc['hit_rate'])} from {pc['source']}", why,
-                                 f"workload {r.workload.get('name')} re-sends shared system prompts"]})
-    fo = shares.get("engine.output + frontend")
-    if fo is not None and fo >= 0.3:
-        out.append({"message": f"time outside the engine core (API server, detokenization, streaming) is "
-                               f"{_pct(fo)} of E2E", "layer": "engine.output",
-                    "evidence": [f"e2e - queue - inference = {split['frontend_output_s']:.3f} s per request"]})
-    return out
+    """The single-run findings of ``server_rules.SERVER_RULES`` (the same table our bundles use)."""
+    return server_findings(server_state(r, split, kv, pc, bt))
 
 
 # ---- two runs -------------------------------------------------------------------------------------
