@@ -109,6 +109,8 @@ class Rule:
     # quantiles of more requests than this are bootstrapped on a thinning in arrival order of this
     # many (``thinning``); None: always all of them (O(num_boot * n) time and memory)
     max_boot_n: int | None = 20_000
+    # Holm's step-down over the metrics of one comparison (``holm``); False: each metric at ``alpha`` alone
+    family_wise: bool = True
 
     def spread(self, metric: str | None, kind: str, saturated: bool = False) -> float:
         """The prior run-to-run relative SD of ``metric`` (or of its kind); ``saturated``: of
@@ -587,6 +589,8 @@ def holm(metrics: dict[str, dict], rule: Rule = DEFAULT_RULE) -> None:
         if math.isfinite(t) and m.get("mde_pct") is not None:  # (a tail too thin to call is no test)
             p = math.erfc(t / math.sqrt(2))
             ps[name] = max(p, m["p_value"]) if isinstance(m.get("p_value"), float) else p
+    if not rule.family_wise:
+        return
     passing = True
     for i, (name, p) in enumerate(sorted(ps.items(), key=lambda kv: kv[1])):
         level = rule.alpha / (len(ps) - i)
