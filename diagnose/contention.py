@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 from layerscope.diagnose.headline import headline
+from layerscope.diagnose.rules import is_front
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, repetitions_needed, z
 
 STEP_METRIC = "tpot_p50_s"  # whose run-to-run prior a step time's change is held to (a step is a token)
@@ -80,6 +81,32 @@ def judge(name: str, metric: dict, env: dict, causes, work: dict | None, rule: R
     return {"label": label, "residual": res, "contention": cf, "step": sr, "machine_share": share, "text": text}
 
 
+def _front_main(findings: list[dict], metric: str) -> bool:
+    """The finding that explains most of ``metric``'s change is in the front end (gateway and client)."""
+    own = [f for f in findings if f["metric"] == metric and (f.get("share") or 0) > 0]
+    return bool(own) and is_front(max(own, key=lambda f: f["share"])["layer"])
+
+
+def _front_measured(env: dict) -> bool:
+    w = env.get("front_wait_share")
+    return bool(w) and all(x is not None and math.isfinite(x) for x in w)
+
+
+def judge_front(metric: dict, env: dict) -> dict:
+    """A change that sits in the front end, judged by the gateway and client's own process: it waited
+    for a CPU >= MIN_WAIT_SHARE more of its runnable time in the slower run (``machine``), or not
+    (``software``: the engine's steps say nothing of how much CPU another process got)."""
+    from layerscope.diagnose.machine import MIN_WAIT_SHARE
+
+    fa, fb = env["front_wait_share"]
+    s = 1.0 if metric.get("worse") else -1.0
+    more = s * (fb - fa) >= MIN_WAIT_SHARE
+    return {"label": "machine" if more else "software", "residual": math.nan, "contention": math.nan,
+            "step": math.nan, "machine_share": math.nan,
+            "text": f"the change sits in the front end, whose process waited for a CPU {fa:.0%} -> {fb:.0%} of its "
+                    f"runnable time: {'more' if more else 'not more'} in the slower run"}
+
+
 def _pct(x: float) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
 
@@ -99,7 +126,8 @@ def settle(verdict: str, metrics: dict, findings: list[dict], env: dict, causes,
            work: dict | None, hardware, rule: Rule = DEFAULT_RULE) -> tuple[str, list[dict], dict | None]:
     """(verdict, findings, inconclusive) once every metric in ``explained`` is judged (module doc).
     ``hardware(names)``: the hardware findings for the metrics the machine accounts for."""
-    judged = {n: judge(n, metrics[n], env, causes, work, rule) for n in explained}
+    judged = {n: judge_front(metrics[n], env) if _front_main(findings, n) and _front_measured(env)
+              else judge(n, metrics[n], env, causes, work, rule) for n in explained}
     machine = [n for n, j in judged.items() if j["label"] == "machine"]
     software = [n for n, j in judged.items() if j["label"] == "software"]
     unsure = [n for n, j in judged.items() if j["label"] == "unsure"]
