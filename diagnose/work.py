@@ -93,7 +93,7 @@ def work_change(a, b, rule: Rule = DEFAULT_RULE, alpha: float | None = None) -> 
     d = float(np.mean(wb["own_s"].to_numpy() - expected_b))
     rel = d / exp_mean if exp_mean > 0 else math.nan
     se_within = float(np.std(bb - ba)) / exp_mean if exp_mean > 0 else math.nan
-    run_se = rule.pair_run_se(METRIC, "p50")
+    run_se = rule.pair_run_se("step_s", "p50")  # own time spreads no more than the step's wall (priors.toml)
     sens = sensitivity(se_within, run_se, rule)
     za = z(1 - alpha / 2)
     se_total = math.sqrt(se_within**2 + run_se**2) if math.isfinite(se_within) else run_se
@@ -141,3 +141,26 @@ def layer_of(change: dict) -> str:
     if not math.isfinite(r) or (math.isfinite(f) and abs(math.log(max(f, 1e-9))) >= abs(math.log(max(r, 1e-9)))):
         return "model.forward"
     return "engine.schedule"
+
+
+def matched_step_ratio(a, b, min_steps: int = 5) -> float:
+    """Candidate / baseline step wall time at matched batch shape, without a fitted line: the steps of
+    each run binned by (prefill in the step or not, log2 batch tokens), the ratio of the bins' medians
+    where both runs have ``min_steps``, averaged on the log scale weighted by the candidate's steps.
+    NaN where no bin matches. (A line fitted on one run's batches and read at another's can run far
+    off; a median within a bin cannot.) ``a``/``b``: RunAnalysis."""
+    def bins(x) -> pd.DataFrame:
+        st = x.run.steps
+        wall = ((st["end_ns"] - st["start_ns"]) / 1e9).to_numpy(np.float64)
+        tok = st["num_batched_tokens"].to_numpy(np.float64)
+        pre = st["num_prefill_seqs"].fillna(0).to_numpy() > 0
+        df = pd.DataFrame({"wall": wall, "bin": np.log2(np.maximum(tok, 1)).astype(int) * 2 + pre})
+        return df[np.isfinite(df["wall"]) & (df["wall"] > 0)].groupby("bin")["wall"].agg(["median", "size"])
+
+    ba, bb = bins(a), bins(b)
+    both = ba.join(bb, lsuffix="_a", rsuffix="_b", how="inner")
+    both = both[(both["size_a"] >= min_steps) & (both["size_b"] >= min_steps)]
+    if not len(both):
+        return math.nan
+    logs = np.log(both["median_b"] / both["median_a"])
+    return float(np.exp(np.average(logs, weights=both["size_b"])))
