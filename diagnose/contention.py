@@ -24,7 +24,7 @@ import math
 from layerscope.diagnose.headline import headline
 from layerscope.diagnose.rules import is_front
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, repetitions_needed, z
-from layerscope.diagnose.work import matched_step_ratio
+from layerscope.diagnose.work import layer_of, matched_step_ratio
 
 STEP_METRIC = "tpot_p50_s"  # the headline metric a step's change shows in (a decode step is a token)
 STEP_PRIOR = "step_s"  # a step's time at equal batch size between identical runs (priors.toml)
@@ -191,21 +191,25 @@ PHASE_LAYERS = {"host": "engine.schedule", "model": "model.forward", "output": "
 def hidden_change(metrics: dict, env: dict, causes, work: dict | None, rule: Rule = DEFAULT_RULE) -> dict | None:
     """A ``no_change`` on machines that differed, whose steps moved beyond the 95 % level once the
     contention is taken out (a busier baseline slowed to the candidate's pace, hiding a slower candidate):
-    the ``inconclusive`` record with a ``finding`` for the phase that moved most. None otherwise, and
-    with the work columns (their own metric row decides in the table)."""
-    if work is not None:
-        return None
-    j = judge(STEP_METRIC, {"worse": True}, env, causes, None, rule)
+    the ``inconclusive`` record with a ``finding`` for the phase that moved most. None otherwise."""
+    j = judge(STEP_METRIC, {"worse": True}, env, causes, work, rule)
     res, cf = j["residual"], j["contention"]
     # beyond the 95 % level (the level a mixed verdict's other side is held to): on the issue-36 A/A set
     # one SE (22 %) left 4 of 14 same-code comparisons inconclusive, 1.96 SE 1 of 14
-    if not (math.isfinite(res) and res > 0) or abs(math.log(res)) <= z(0.975) * step_se(rule):
+    se = work["floor_pct"] / 100 / z(1 - rule.alpha / 2) if work is not None else step_se(rule)
+    if not (math.isfinite(res) and res > 0) or abs(math.log(res)) <= z(0.975) * se:
         return None
     s = 1.0 if res > 1 else -1.0
-    if not s * math.log(cf) < 0:  # only a busier run on the side that would hide the change hides it
+    hiding = (work["wait_share"][0] - work["wait_share"][1]) * s > 0 if work is not None else s * math.log(cf) < 0
+    if not hiding:  # only a busier run on the side that would hide the change hides it
         return None
-    ratios = {k: v for k, v in causes.phase_ratios().items() if math.isfinite(v) and v > 0}
-    phase = max(ratios, key=lambda k: s * math.log(ratios[k] / cf)) if ratios else "model"
+    if work is not None:  # the steps' own clocks say which phase's work moved
+        cf = 1.0
+        phase = "model" if layer_of(work) == "model.forward" else "host"
+        ratios = {phase: res}
+    else:
+        ratios = {k: v for k, v in causes.phase_ratios().items() if math.isfinite(v) and v > 0}
+        phase = max(ratios, key=lambda k: s * math.log(ratios[k] / cf)) if ratios else "model"
     # the cause rules name what moved the phase (a routing that moved load onto shared CPUs, a kernel)
     parts = causes.explain(PHASE_LAYERS[phase], s * 1e-3, STEP_METRIC)
     layer = max(parts, key=lambda x: abs(x.delta_s)).layer if parts else PHASE_LAYERS[phase]

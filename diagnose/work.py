@@ -93,7 +93,7 @@ def work_change(a, b, rule: Rule = DEFAULT_RULE, alpha: float | None = None) -> 
     d = float(np.mean(wb["own_s"].to_numpy() - expected_b))
     rel = d / exp_mean if exp_mean > 0 else math.nan
     se_within = float(np.std(bb - ba)) / exp_mean if exp_mean > 0 else math.nan
-    run_se = rule.pair_run_se("step_s", "p50")  # own time spreads no more than the step's wall (priors.toml)
+    run_se = rule.pair_run_se("step_own_s", "p50")  # priors.toml: a placeholder until measured
     sens = sensitivity(se_within, run_se, rule)
     za = z(1 - alpha / 2)
     se_total = math.sqrt(se_within**2 + run_se**2) if math.isfinite(se_within) else run_se
@@ -158,7 +158,7 @@ def matched_step_ratio(a, b, min_steps: int = 5) -> float:
         return df[np.isfinite(df["wall"]) & (df["wall"] > 0)].groupby("bin")["wall"].agg(["median", "size"])
 
     ba, bb = bins(a), bins(b)
-    both = ba.join(bb, lsuffix="_a", rsuffix="_b", how="inner")
+    both = ba.add_suffix("_a").join(bb.add_suffix("_b"), how="inner")
     both = both[(both["size_a"] >= min_steps) & (both["size_b"] >= min_steps)]
     if not len(both):
         return math.nan
