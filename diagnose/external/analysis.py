@@ -19,10 +19,11 @@ import numpy as np
 from layerscope.diagnose.external import measures as ms
 from layerscope.diagnose.external.config import engine_diff
 from layerscope.diagnose.external.run import ExternalRun, load_external
+from layerscope.diagnose.headline import DIRECTIONAL, headline
 from layerscope.diagnose.server_rules import ServerState, server_findings
 from layerscope.diagnose.machine import higher_is_worse, machine_diff, machine_explains, machine_json, machine_relevant
 from layerscope.diagnose.stats import (EXTERNAL_RULE, Rule, against_improvement, beyond_floor, compare_quantile,
-                                      compare_rate, quantile, sensitivity)
+                                      compare_rate, holm, quantile, sensitivity)
 
 SCHEMA = "layerscope.diagnosis/1"
 REPORT_SCHEMA = "layerscope.external-report/1"
@@ -91,7 +92,8 @@ def single_findings(r: ExternalRun, split, kv, pc, bt) -> list[dict[str, Any]]:
 
 
 # ---- two runs -------------------------------------------------------------------------------------
-HARDWARE = "model compute changed with no config or version change: the machine (contention, clocks, hardware)"
+HARDWARE = ("model compute changed with no config or version change: the model's work or the machine (contention, "
+            "clocks, hardware), which nothing measured here can tell apart")
 COALESCED = 0.3  # share of client token gaps under 0.1 ms above which per-token timings are not measurable
 
 
@@ -162,6 +164,9 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     # server's histograms when that is all there is (an import of /metrics texts).
     client = {n for n, *_ in LATENCY} | {THROUGHPUT}
     decides = (lambda k: k in client) if len(a.ok) and len(b.ok) else (lambda k: True)
+    for k, v in metrics.items():
+        v["decides"] = decides(k)  # (the table says which metrics the headline is read from)
+    holm({k: v for k, v in metrics.items() if decides(k)}, rule)
     worse = [k for k, v in metrics.items() if v["significant"] and v["worse"] and decides(k)]
     # what got worse first, then the headline metrics first (TTFT p50 leads), then the largest change
     order = [n for n, *_ in LATENCY[:1]] + [n for n, *_ in SERVER] + [n for n, *_ in LATENCY[1:]]
@@ -169,14 +174,15 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
                                  else len(order), -abs(f["delta_s"] or 0)))
     better = [k for k, v in metrics.items() if v["significant"] and not v["worse"] and decides(k)]
     wl_changed = any(w["material"] for w in wdiff)
-    verdict = ("workload_changed" if wl_changed and (worse or better) else "regression" if worse else
-               "improvement" if better else "no_change")
+    verdict = "workload_changed" if wl_changed and (worse or better) else headline(metrics, decides)
+    inconclusive = None
     env = machine_diff(_MachineView(a), _MachineView(b))
-    same = same_server_process(a, b, cdiff) if verdict in ("regression", "improvement") else None
+    same = same_server_process(a, b, cdiff) if verdict in DIRECTIONAL else None
     if same:  # one process served both: its code and config cannot differ
         verdict, findings = _same_process_verdict(metrics, findings, env, worse or better, same)
-    elif verdict in ("regression", "improvement"):
-        verdict, findings = _machine_verdict(verdict, metrics, findings, env, cdiff, worse or better)
+    elif verdict in DIRECTIONAL:
+        verdict, findings, inconclusive = _machine_verdict(verdict, metrics, findings, env, cdiff, worse + better,
+                                                           rule)
     against = against_improvement({k: v for k, v in metrics.items() if decides(k)}, rule, higher_is_worse)
     if verdict == "improvement" and against:  # a trade-off (docs/diagnose.md §2): its cost leads
         verdict = "mixed"
@@ -191,9 +197,11 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
         c["consistent"] = any(f["layer"] == c["layer"] for f in findings) if c["layer"] and findings else None
     primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
                else None)
+    if inconclusive is not None and inconclusive.get("layer"):
+        primary = {"metric": inconclusive["metric"], "layer": inconclusive["layer"]}
     return {"schema": SCHEMA, "baseline": a.name, "candidate": b.name, "verdict": verdict, "metrics": metrics,
             "findings": findings, "primary": primary, "config_diff": cdiff, "workload_diff": wdiff,
-            "machine": machine_json(env),
+            "machine": machine_json(env), **({"inconclusive": inconclusive} if inconclusive else {}),
             "external": {"paired": paired, "server_split": {"baseline": sa, "candidate": sb},
                          "kv": dict(zip(("baseline", "candidate"), ctx["kv"])),
                          "prefix_cache": dict(zip(("baseline", "candidate"), ctx["prefix"])),
@@ -258,30 +266,33 @@ def _hardware_finding(name: str, m: dict, cause: str, evidence: list[str]) -> di
 
 
 def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, cdiff: list[dict],
-                     decided: list[str]) -> tuple[str, list[dict]]:
-    """The external analogue of ``machine.machine_verdict``. An external run has no step phases to
-    stand out, so the software evidence is a config or version change between the runs: with one,
-    the findings stay and carry the machine's evidence; without, a change the machine explains (its
-    speed differed the way the change went, or varied while the runs were recorded) is
-    ``environment_changed``, one ``hardware`` finding per metric that decided the verdict."""
+                     decided: list[str], rule: Rule = EXTERNAL_RULE) -> tuple[str, list[dict], dict | None]:
+    """The external analogue of ``machine.machine_verdict``. An external run has no step clocks and no
+    run-queue wait of the server's threads, so no contention measurement can account for a change: a
+    config or version change keeps the findings, with the machine's evidence beside them; without one,
+    a change the machine could explain (its speed differed the way the change went, or varied while the
+    runs were recorded) is ``inconclusive``, the findings kept (the candidate layer first) with the
+    smallest change this pair could see and the interleaved repetitions that would decide."""
+    from layerscope.diagnose.contention import plan
+
     if not machine_relevant(env):
-        return verdict, findings
+        return verdict, findings, None
     note = ("the machine differed too: " if env.get("changed") else "the machine: ") + "; ".join(env["evidence"])
+    for f in findings:
+        f["evidence"].append(note)
     explained = [n for n in decided if machine_explains(metrics[n], higher_is_worse(n), env)]
     if cdiff or len(explained) < len(decided):
-        for f in findings:
-            f["evidence"].append(note)
-        return verdict, findings
-    who = env.get("busier") or env.get("leaning")
-    hw = []
-    for n in explained:
-        slower = _slower(n, metrics[n])
-        side = who if who is not None and (who == "candidate") == (slower == "slower") else None
-        hw.append(_hardware_finding(n, metrics[n], f"the machine, not the server: the candidate ran {slower}, the "
-                                    f"{side + ' ' if side else ''}machine {'was slower' if side else 'varied'} "
-                                    "(evidence below), and neither the server's config nor its version changed",
-                                    list(env["evidence"])))
-    return "environment_changed", hw + [f for f in findings if f["metric"] not in explained]
+        return verdict, findings, None
+    lead = max(explained, key=lambda n: abs(metrics[n].get("delta_pct") or 0))
+    cands = [f for f in findings if f["metric"] == lead and f["layer"] not in ("hardware", "client")]
+    layer = cands[0]["layer"] if cands else None
+    p = plan(metrics[lead], lead, 1 + (metrics[lead].get("delta_pct") or 0) / 100, rule)
+    text = (f"inconclusive: {lead} moved{', most likely in ' + layer if layer else ''}, but the machine "
+            "differed and nothing measured the server's wait for a CPU to separate the two. This pair could "
+            f"see changes from {'+%.0f%%' % p['smallest_detectable_pct'] if p['smallest_detectable_pct'] else 'n/a'}"
+            f"; to decide run `layerscope regress` with {p['repetitions'] or 'more than 200'} interleaved "
+            "repetitions a version (from the metric's run-to-run spread)")
+    return "inconclusive", findings, {"metric": lead, "layer": layer, **p, "text": text}
 
 
 def _d(x: float | None, y: float | None) -> float | None:
@@ -309,8 +320,6 @@ def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dic
         layer_of["queue"] = "engine.kv"
         if causes.get("prefix"):
             layer_of["prefill"] = "engine.kv"
-    if not cdiff:  # compute slower with no config or version change: the machine (DESIGN.md: hardware)
-        layer_of = {k: ("hardware" if v == "model.forward" else v) for k, v in layer_of.items()}
     merged: dict[str, float] = {}
     for part, v in parts.items():
         merged[layer_of[part]] = merged.get(layer_of[part], 0.0) + v
@@ -324,7 +333,7 @@ def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dic
         ev.insert(0, f"{layer}: {v * 1e3:+.1f} ms per request (server histograms, mean) of a {total * 1e3:+.1f} ms "
                      f"change in client {label}")
         findings.append({"metric": name, "layer": layer, "share": share, "delta_s": v,
-                         "cause": causes.get(layer + ".cause", HARDWARE if layer == "hardware" else
+                         "cause": causes.get(layer + ".cause", HARDWARE if layer == "model.forward" and not cdiff else
                                              "measured on the server's histograms"),
                          "evidence": ev, "config_changes": [c["key"] for c in cdiff if c["layer"] == layer]})
     if not findings:
@@ -432,13 +441,11 @@ def server_finding(name: str, concept: str, layer: str, metric: dict, causes: di
     kv = causes.get("engine.kv") and not causes.get("cap")
     if kv and (layer == "engine.queue" or (concept == "prefill_time" and causes.get("prefix"))):
         layer = "engine.kv"
-    if layer == "model.forward" and not cdiff:
-        layer = "hardware"
     delta = metric["candidate"] - metric["baseline"]
     ev = [f"{concept.replace('_', ' ')} {metric['baseline'] * 1e3:.1f} -> {metric['candidate'] * 1e3:.1f} ms per "
           f"request (server histogram, mean over {metric['n_candidate']} requests)"]
     ev += list(causes.get(layer + ".evidence", []))
     return {"metric": name, "layer": layer, "share": 1.0, "delta_s": delta,
-            "cause": causes.get(layer + ".cause", HARDWARE if layer == "hardware" else
+            "cause": causes.get(layer + ".cause", HARDWARE if layer == "model.forward" and not cdiff else
                                 "measured on the server's histograms"), "evidence": ev,
             "config_changes": [c["key"] for c in cdiff if c["layer"] == layer]}
