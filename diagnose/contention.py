@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from layerscope.diagnose.headline import headline
-from layerscope.diagnose.rules import is_front
+from layerscope.diagnose.rules import FORWARD, HARDWARE, is_front
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, repetitions_needed, z
 from layerscope.diagnose.work import layer_of, matched_step_ratio
 
@@ -149,7 +149,7 @@ def settle(verdict: str, metrics: dict, findings: list[dict], env: dict, causes,
         return (v if v != "no_change" else verdict), hardware(machine) + kept, None
     if unsure:
         lead = max(unsure, key=lambda n: abs(metrics[n].get("delta_pct") or 0))
-        cands = [f for f in kept if f["metric"] == lead and f["layer"] != "hardware" and (f.get("share") or 0) > 0]
+        cands = [f for f in kept if f["metric"] == lead and f["layer"] != HARDWARE and (f.get("share") or 0) > 0]
         layer = max(cands, key=lambda f: f["share"])["layer"] if cands else None
         p = plan(metrics[lead], lead, judged[lead]["residual"], rule)
         return "inconclusive", kept + hardware(machine), _inconclusive(lead, layer, p, judged[lead])
@@ -205,7 +205,7 @@ def hidden_change(metrics: dict, env: dict, causes, work: dict | None, rule: Rul
         return None
     if work is not None:  # the steps' own clocks say which phase's work moved
         cf = 1.0
-        phase = "model" if layer_of(work) == "model.forward" else "host"
+        phase = "model" if layer_of(work) == FORWARD else "host"
         ratios = {phase: res}
     else:
         ratios = {k: v for k, v in causes.phase_ratios().items() if math.isfinite(v) and v > 0}

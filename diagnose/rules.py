@@ -22,6 +22,8 @@ MACHINE_LAYERS = frozenset({"engine.schedule", "model.forward", "engine.output",
                             "kernel.compute", "kernel.launch_gap", "engine.queue", "hardware"})
 KV_LAYERS = frozenset({"engine.kv"})
 FORWARD = "model.forward"
+ROUTE = "gateway.route"
+GATEWAY_LAYERS = ("gateway.queue", "gateway.route")  # the front end's own components (not the client)
 PHASE_OF = {"engine.schedule": "host", "engine.output": "output", "model.forward": "model"}  # Causes.expected keys
 WORKLOAD, HARDWARE, RESIDUAL, IDLE = "workload", "hardware", "residual", "idle"
 NOT_SOFTWARE = frozenset({WORKLOAD, HARDWARE})
