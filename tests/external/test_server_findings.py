@@ -94,3 +94,26 @@ def test_every_rule_can_fire_and_stay_quiet():
                        shares_prefixes=True)
     got = {x["detector"] for x in server_findings(busy)}
     assert got == {"overload", "kv_saturated", "preemptions", "prefix_cache_zero", "frontend"}
+
+
+def test_our_bundles_read_through_the_same_overload_rule(synth_bundle):
+    """A synthetic run of our engine offered far more than it serves (max_num_seqs 2, 300 requests at
+    200/s): the engine's own steps give the waiting and running counts the same rule reads."""
+    from layerscope.diagnose.analysis import RunAnalysis
+    from layerscope.diagnose.detectors import detect
+
+    over = {f["detector"]: f for f in detect(RunAnalysis(synth_bundle(max_num_seqs=2, arrival_rate_per_s=200.0)))}
+    assert over["overload"]["layer"] == "engine.queue", over
+    assert any("requests waiting against 2 running" in e for e in over["overload"]["evidence"])
+    calm = {f["detector"] for f in detect(RunAnalysis(synth_bundle(arrival_rate_per_s=5.0)))}
+    assert "overload" not in calm
+
+
+@pytest.fixture
+def synth_bundle(tmp_path):
+    from layerscope.diagnose.synth import SynthSpec, generate
+
+    def make(**kw):
+        return generate(SynthSpec(**{"num_requests": 300, "seed": 1, **kw}), tmp_path / f"r{len(list(tmp_path.iterdir()))}")
+
+    return make
