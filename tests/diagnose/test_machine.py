@@ -170,11 +170,13 @@ def test_a_machine_that_only_varied_does_not_explain_a_slower_candidate_whose_st
     d = compare(a_ll, synth(**{**unmoved, "router_policy": "least_loaded"})).diagnosis
     assert d["verdict"] == "environment_changed" and d["primary"]["layer"] == "hardware", d["findings"][:2]
     # every step x1.5 with the run's own CPU wait unchanged: the contention measurements do not account
-    # for it, so the software finding stands with the machine's variation beside it (issue 36: a varying
-    # machine no longer explains any change; environment_changed only where the measured wait does)
+    # for it (issue 36: a varying machine no longer explains any change; environment_changed only where
+    # the measured wait does). x1.5 is under the step's floor (+56 % at the A/A-measured step prior), so
+    # the pair cannot separate it: inconclusive, the software layer first, with the plan
     d = compare(a, synth(**{**unmoved, "router_skew": 0.0, "machine_slowdown": 1.5})).diagnosis
-    assert d["verdict"] == "regression" and d["primary"]["layer"] != "hardware", d["findings"][:2]
+    assert d["verdict"] == "inconclusive" and d["primary"]["layer"] not in ("hardware", None), d["findings"][:2]
     assert any("the machine's share of the step's change" in e for e in d["findings"][0]["evidence"])
+    assert d["inconclusive"]["repetitions"] >= 2
 
 
 def test_a_front_end_that_waited_for_a_cpu_leaves_the_machine_possible(synth):

@@ -58,15 +58,13 @@ def test_the_same_pair_the_other_way_is_a_regression_on_the_router():
     assert "waited for a CPU 28% -> 42%" in "\n".join(f["evidence"])
 
 
-def test_under_family_wise_control_the_router_is_still_named_first():
-    """Under Holm the TPOT change is not called; spreading the burst (the other way) is ``inconclusive``
-    with the router first: with the contention taken out the steps were x1.35 slower, beyond the step's
-    floor, on a machine whose speed varied (the baseline's faster steps could have hidden it)."""
-    d = compare(RECORDED / "baseline", RECORDED / "candidate").diagnosis
-    assert d["verdict"] == "no_change" and "could not see" in d["could_not_see"], d["verdict"]
-    d = compare(RECORDED / "candidate", RECORDED / "baseline").diagnosis
-    assert d["verdict"] == "inconclusive" and d["primary"]["layer"] == "gateway.route", (d["verdict"], d["primary"])
-    assert d["inconclusive"]["repetitions"] >= 2 and "interleaved repetitions" in d["inconclusive"]["text"]
+def test_under_family_wise_control_the_pair_says_what_it_could_not_see():
+    """Under Holm the TPOT change is not called either way. The runs' machines differed (the yardstick
+    ranged x1.49), so each no_change says what it could not see and what would decide."""
+    for x, y in ((RECORDED / "baseline", RECORDED / "candidate"), (RECORDED / "candidate", RECORDED / "baseline")):
+        d = compare(x, y).diagnosis
+        assert d["verdict"] == "no_change" and "could not see" in d["could_not_see"], d["verdict"]
+        assert "interleaved repetitions" in d["could_not_see"]
 
 
 def _causes(base: Path, cand: Path, machine: dict | None = None) -> Causes:
