@@ -4,12 +4,14 @@ A software finding is never dropped because the machine was busier: the machine'
 stands beside it. Per significant metric whose change the machine could explain (machine.machine_explains):
 
 - with the steps' work columns (``work.work_change``): the step's own time (wall - CPU wait) at equal
-  batch shape moved significantly, the way the metric did: ``software``; it stayed within one SE and
-  the wait moved that way: ``machine``; otherwise ``unsure``;
-- without them (older bundles): the step time at equal batch size (``Causes.step_ratio``) over the
-  factor the contention predicts: the run's own threads' run-queue wait share w gives (1 - w_a) / (1 - w_b),
-  times the yardstick's ratio where the machine's speed differed. Beyond the step's floor the way
-  the metric moved: ``software``; within one SE: ``machine``; between: ``unsure``.
+  batch shape moved significantly, the way the metric did: ``software``; it moved no more than one SE
+  that way while the wait did: ``machine``; otherwise ``unsure``;
+- without them (older bundles): the step time at matched batch shape (``work.matched_step_ratio``) over
+  the factor the contention predicts from the run's own threads' run-queue wait share w,
+  (1 - w_a) / (1 - w_b) (not the yardstick: too noisy here). Beyond the step's floor the way the metric
+  moved: ``software``; within one SE that way, or less than the contention predicts (which moved that
+  way): ``machine``; otherwise ``unsure``;
+- a change that sits in the front end: the gateway/client process's own CPU wait (``judge_front``).
 
 ``settle`` turns the labels into a verdict: any ``software`` keeps the headline over the metrics that
 are not the machine's; else any ``unsure`` is ``inconclusive`` (the candidate layer first, the smallest
@@ -56,7 +58,7 @@ def judge(name: str, metric: dict, env: dict, causes, work: dict | None, rule: R
         se = work["floor_pct"] / 100 / z(1 - rule.alpha / 2)
         moved = work["significant"] and s * math.log(r) > 0
         wait_way = s * (work["wait_share"][1] - work["wait_share"][0]) > 0
-        label = "software" if moved else "machine" if abs(math.log(r)) <= se and wait_way else "unsure"
+        label = "software" if moved else "machine" if s * math.log(r) <= se and wait_way else "unsure"
         share = work.get("machine_share", math.nan)
         text = (f"step own time (wall - CPU wait) at equal batch shape x{r:.2f} ({'significant' if moved else 'within'}"
                 f" its floor +-{work['floor_pct']:.0f}%); the step loop waited for a CPU {work['wait_share'][0]:.0%} -> "
