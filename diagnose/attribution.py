@@ -5,22 +5,14 @@ around the same quantile in both runs (e.g. ranks 40-60% for p50) are averaged p
 component; the component deltas plus a residual sum exactly to the quantile's
 delta. Throughput is attributed as seconds per output token, split by step phase.
 
-Step 2, causes (``Causes.explain``): the layer where time was *spent* is not always the
-layer that *caused* it. Queue time grows when KV blocks run out (engine.kv), when
-the router overloads one replica (gateway.route), when admission is capped
-(engine.queue) or when every step got slower (the slower phase's layer); model time
-grows in one layer row (model.forward), in kernels or launch gaps
-(kernel.compute / kernel.launch_gap, from profiler windows or, failing those, from how
-forward time scales with batch tokens), or because steps carry more tokens (the
-batch composition: prefix cache, recomputation, config or workload). Each rule
-needs evidence from both runs' measurements and returns it as text.
+Step 2, causes: the layer where time was *spent* is not always the layer that *caused* it.
+``Causes.explain`` passes a component's delta through the cause rules, which are data
+(``rules.RULES``, ``QUEUE_RULES``, ``FORWARD_RULES``: layer, measures read, predicate, explanation,
+evidence; docs/diagnose.md §4 lists them). ``Causes`` holds what the rules read: both runs'
+analyses, the per-step phase deltas at equal batch size, and the evidence each rule quotes.
 
-(Longer than 400 lines on purpose: the cause rules call each other and share one
-context, both runs' analyses; split apart they would be harder to check as a whole.)
-
-Why one file past 400 lines: the accounting and the cause rules are one argument (a cause must
-explain the component that moved), and every rule is written both ways (regression and
-improvement) against the same evidence helpers; split, a rule and its evidence would drift apart.
+(Over 400 lines: the measures the rules read share one context, both runs' analyses and the
+per-step fits; split, a rule's predicate and the evidence it quotes would read different fits.)
 """
 
 from __future__ import annotations

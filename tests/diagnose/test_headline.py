@@ -46,6 +46,11 @@ def contradicts(d: dict) -> str | None:
     if v == "environment_changed" and not (worse or better):
         return "environment_changed with nothing significant"
     p = d.get("primary")
+    # an explaining metric (``decides`` false: a server histogram) may carry the primary finding when it
+    # moved the headline's way
+    explains = {n: _side(n, m) for n, m in d["metrics"].items() if not m.get("decides", True)}
+    worse |= {n for n, side in explains.items() if side == "worse"}
+    better |= {n for n, side in explains.items() if side == "better"}
     if v in ("regression", "mixed") and p and p["metric"] not in worse | against:
         return f"{v} explained by {p['metric']}, which did not get worse"
     if v == "improvement" and p and p["metric"] not in better:
@@ -129,3 +134,21 @@ def test_a_kv_pool_trade_off_is_mixed():
     for x, y in ((a, b), (b, a)):
         d = compare(x, y).diagnosis
         assert d["verdict"] == "mixed" and d["primary"]["layer"] == "engine.kv" and contradicts(d) is None
+
+
+def test_a_cap_in_the_vllm_dialect_never_contradicts_its_table():
+    """Recorded for issue 36 (tests/data/external/README.md, layerscope-dialect-cap): our server in vLLM's
+    dialect, max_num_seqs 64 -> 2 under a burst of 48. Adding the cap costs tokens/s (-37 %, called), put
+    on engine.queue by the server's queue histogram; TTFT (+100 %) is under one external pair's floor and
+    TPOT is not measurable (tokens arrive together), so the pair is not ``mixed``: the trade-off is not
+    visible to one pair here. Removing the cap: TTFT -50 % and tokens/s +59 %, neither beyond the family's
+    level under Holm: no change. Neither way contradicts its table."""
+    from layerscope.diagnose.external.analysis import compare_external
+
+    cap = DATA / "external" / "layerscope-dialect-cap"
+    added = compare_external(cap / "default", cap / "seqs2")
+    assert added["verdict"] == "regression" and added["primary"]["layer"] == "engine.queue", added["primary"]
+    assert added["metrics"]["output_tokens_per_s"]["significant"] and contradicts(added) is None
+    assert added["metrics"]["tpot_p50_s"].get("unreliable")
+    removed = compare_external(cap / "seqs2", cap / "default")
+    assert removed["verdict"] in ("no_change", "improvement", "mixed") and contradicts(removed) is None
