@@ -146,3 +146,97 @@ SERVER_RULES: tuple[ServerRule, ...] = (
 def server_findings(st: ServerState, rules: tuple[ServerRule, ...] = SERVER_RULES) -> list[dict]:
     """The findings of every rule whose predicate holds: {detector, message, layer, evidence}."""
     return [{"detector": r.name, **r.explain(st)} for r in rules if r.when(st)]
+
+
+# ---- two runs of a server: what moved its queue or its KV (external comparisons) -----------------------
+@dataclass(frozen=True)
+class PairRule:
+    """A cause of a server-side change between two runs: ``when(ctx, keys)`` over both runs' measures
+    (``ctx``: kv, prefix, batch as (baseline, candidate) dicts of external.measures; ``keys``: the changed
+    config rows by key); ``explain`` returns {layer.cause, layer.evidence, flags} to merge."""
+
+    name: str
+    layer: str
+    reads: tuple[str, ...]
+    when: Callable[[dict, dict], bool]
+    explain: Callable[[dict, dict], dict]
+    text: str
+
+
+def _capped(ctx: dict, keys: dict) -> bool:
+    ba, bb = ctx["batch"]
+    more = (bb["capped_share"] or 0) > (ba["capped_share"] or 0) + 0.1
+    return bool(more or ("max_num_seqs" in keys and (bb["waiting_mean"] or 0) > (ba["waiting_mean"] or 0)))
+
+
+def _capped_explain(ctx: dict, keys: dict) -> dict:
+    (ka, kb), (ba, bb) = ctx["kv"], ctx["batch"]
+    cause = (f"admission capped: max_num_seqs {keys['max_num_seqs']['baseline']} -> {keys['max_num_seqs']['candidate']}"
+             if "max_num_seqs" in keys else "admission capped at max_num_seqs")
+    return {"cap": True, "engine.queue.cause": cause, "engine.queue.evidence": [
+        f"running = max_num_seqs with requests waiting on {_pct(bb['capped_share'])} of scrapes (was "
+        f"{_pct(ba['capped_share'])})", f"waiting mean {ba['waiting_mean']} -> {bb['waiting_mean']}",
+        f"KV usage max {_pct(ka['usage_max'])} -> {_pct(kb['usage_max'])} (not KV-bound)"]}
+
+
+def _prefix_lost(ctx: dict, keys: dict) -> bool:
+    pa, pb = ctx["prefix"]
+    return (pa["hit_rate"] is not None and pb["hit_rate"] is not None and pa["hit_rate"] >= 0.1
+            and pb["hit_rate"] < 0.5 * pa["hit_rate"])
+
+
+def _prefix_explain(ctx: dict, keys: dict) -> dict:
+    pa, pb = ctx["prefix"]
+    return {"prefix": True, "engine.kv.cause": "prefix cache lost its reuse: shared prompt prefixes are recomputed",
+            "engine.kv.evidence": [f"prefix-cache hit rate {_pct(pa['hit_rate'])} -> {_pct(pb['hit_rate'])} "
+                                   f"({'the workload shares prefixes' if pb['workload_shares_prefixes'] else 'workload'})"]}
+
+
+def _starved(ctx: dict, keys: dict) -> bool:
+    ka, kb = ctx["kv"]
+    cap_a, cap_b = ka["capacity_tokens"], kb["capacity_tokens"]
+    full = kb["usage_max"] is not None and kb["usage_max"] >= KV_FULL and (ka["usage_max"] or 0) < KV_FULL
+    return bool((cap_a and cap_b and cap_b < 0.8 * cap_a) or (kb["preemptions"] or 0) > (ka["preemptions"] or 0) or full)
+
+
+def _starved_explain(ctx: dict, keys: dict) -> dict:
+    ka, kb = ctx["kv"]
+    out = {"engine.kv.cause": "KV cache starved: requests wait for free blocks (KV-bound, not queue-bound)",
+           "engine.kv.evidence": [f"KV capacity {ka['capacity_tokens']} -> {kb['capacity_tokens']} tokens; usage max "
+                                  f"{_pct(ka['usage_max'])} -> {_pct(kb['usage_max'])}; preemptions "
+                                  f"{ka['preemptions'] or 0:.0f} -> {kb['preemptions'] or 0:.0f}"]}
+    if "max_num_seqs" not in keys:  # KV-bound: the cap did not change, the KV cache did
+        out["uncap"] = True
+    return out
+
+
+PAIR_RULES: tuple[PairRule, ...] = (
+    PairRule("admission_capped", "engine.queue", ("running", "waiting", "max_num_seqs"), _capped, _capped_explain,
+             "running at max_num_seqs with requests waiting on 10 points more scrapes, or the cap changed and "
+             "more requests wait"),
+    PairRule("prefix_lost", "engine.kv", ("prefix_hits", "prefix_queries"), _prefix_lost, _prefix_explain,
+             "the prefix-cache hit rate fell below half of a baseline >= 10 %"),
+    PairRule("kv_starved", "engine.kv", ("kv_capacity", "kv_usage", "preemptions"), _starved, _starved_explain,
+             "KV capacity < 80 % of the baseline's, more preemptions, or usage reaching 90 %"),
+)
+
+
+def pair_causes(ctx: dict, cdiff: list[dict], rules: tuple[PairRule, ...] = PAIR_RULES) -> dict:
+    """{cap, prefix, engine.kv, <layer>.cause, <layer>.evidence} from every pair rule that holds (the first
+    cause of a layer stands; evidence adds up)."""
+    keys = {c["key"]: c for c in cdiff}
+    out: dict = {}
+    for r in rules:
+        if not r.when(ctx, keys):
+            continue
+        got = r.explain(ctx, keys)
+        for k, v in got.items():
+            if k.endswith(".evidence"):
+                out[k] = out.get(k, []) + v
+            elif k == "uncap":
+                out.pop("cap", None)
+            else:
+                out.setdefault(k, v)
+        if r.layer == "engine.kv":
+            out["engine.kv"] = True
+    return out

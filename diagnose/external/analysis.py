@@ -20,7 +20,7 @@ from layerscope.diagnose.external import measures as ms
 from layerscope.diagnose.external.config import engine_diff
 from layerscope.diagnose.external.run import ExternalRun, load_external
 from layerscope.diagnose.headline import DIRECTIONAL, headline
-from layerscope.diagnose.server_rules import ServerState, server_findings
+from layerscope.diagnose.server_rules import ServerState, pair_causes, server_findings
 from layerscope.diagnose.machine import higher_is_worse, machine_diff, machine_explains, machine_json, machine_relevant
 from layerscope.diagnose.stats import (EXTERNAL_RULE, Rule, against_improvement, beyond_floor, compare_quantile,
                                       compare_rate, holm, quantile, sensitivity)
@@ -70,10 +70,6 @@ def summarize_external(run: ExternalRun | str | Path) -> dict[str, Any]:
             "tool_summary": client if not len(r.ok) else None,
             "server_split": split, "kv": kv, "prefix_cache": pc, "batch": bt, "config": r.config,
             "findings": findings, "visibility": r.visibility()}
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
 def server_state(r: ExternalRun, split, kv, pc, bt) -> ServerState:
@@ -345,43 +341,8 @@ def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dic
 
 
 def _causes(ctx: dict, cdiff: list[dict]) -> dict[str, Any]:
-    (ka, kb), (pa, pb), (ba, bb) = ctx["kv"], ctx["prefix"], ctx["batch"]
-    out: dict[str, Any] = {}
-    keys = {c["key"]: c for c in cdiff}
-    # admission capped by max_num_seqs: running sat at the cap with requests waiting more often than
-    # before, or the cap itself changed and requests now wait
-    capped_more = (bb["capped_share"] or 0) > (ba["capped_share"] or 0) + 0.1
-    cap_changed = "max_num_seqs" in keys and (bb["waiting_mean"] or 0) > (ba["waiting_mean"] or 0)
-    if capped_more or cap_changed:
-        out["cap"] = True
-        out["engine.queue.cause"] = (f"admission capped: max_num_seqs {keys['max_num_seqs']['baseline']} -> "
-                                     f"{keys['max_num_seqs']['candidate']}" if "max_num_seqs" in keys
-                                     else "admission capped at max_num_seqs")
-        out["engine.queue.evidence"] = [
-            f"running = max_num_seqs with requests waiting on {_pct(bb['capped_share'])} of scrapes (was "
-            f"{_pct(ba['capped_share'])})", f"waiting mean {ba['waiting_mean']} -> {bb['waiting_mean']}",
-            f"KV usage max {_pct(ka['usage_max'])} -> {_pct(kb['usage_max'])} (not KV-bound)"]
-    kv_ev = []
-    if pa["hit_rate"] is not None and pb["hit_rate"] is not None and pa["hit_rate"] >= 0.1 and \
-            pb["hit_rate"] < 0.5 * pa["hit_rate"]:
-        out["prefix"] = True
-        kv_ev.append(f"prefix-cache hit rate {_pct(pa['hit_rate'])} -> {_pct(pb['hit_rate'])} "
-                     f"({'the workload shares prefixes' if pb['workload_shares_prefixes'] else 'workload'})")
-        out["engine.kv.cause"] = "prefix cache lost its reuse: shared prompt prefixes are recomputed"
-    cap_a, cap_b = ka["capacity_tokens"], kb["capacity_tokens"]
-    pre_a, pre_b = ka["preemptions"] or 0, kb["preemptions"] or 0
-    full = kb["usage_max"] is not None and kb["usage_max"] >= ms.KV_FULL and (ka["usage_max"] or 0) < ms.KV_FULL
-    if (cap_a and cap_b and cap_b < 0.8 * cap_a) or pre_b > pre_a or full:
-        kv_ev.append(f"KV capacity {cap_a} -> {cap_b} tokens; usage max {_pct(ka['usage_max'])} -> "
-                     f"{_pct(kb['usage_max'])}; preemptions {pre_a:.0f} -> {pre_b:.0f}")
-        out.setdefault("engine.kv.cause", "KV cache starved: requests wait for free blocks (KV-bound, not "
-                                          "queue-bound)")
-        if "max_num_seqs" not in keys:  # KV-bound: the cap did not change, the KV cache did
-            out.pop("cap", None)
-    if kv_ev:
-        out["engine.kv"] = True
-        out["engine.kv.evidence"] = kv_ev
-    return out
+    """What moved the server's queue or KV (``server_rules.PAIR_RULES``, the table docs/diagnose.md §6 lists)."""
+    return pair_causes(ctx, cdiff)
 
 
 def _var_bound(h: tuple[list[float], list[float], float, float], mean: float) -> float:
