@@ -118,12 +118,8 @@ def workload_diff(a: ExternalRun, b: ExternalRun) -> list[dict[str, Any]]:
     return out
 
 
-def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun | str | Path, *,
-                     rule: Rule = EXTERNAL_RULE) -> dict[str, Any]:
-    """Two external runs compared with ``rule`` (default: the run-to-run priors measured on real vLLM
-    runs, ``stats.RUN_SPREAD_EXTERNAL``; one pair calls large changes only)."""
-    a, b = _as_run(baseline), _as_run(candidate)
-    paired = _paired(a, b)
+def _metrics(a: ExternalRun, b: ExternalRun, rule: Rule, paired: bool) -> dict[str, dict]:
+    """The client-side latencies and throughput, and the server's histograms, compared."""
     metrics: dict[str, dict] = {}
     coalesced = {r.name: _coalesced_share(r) for r in (a, b)}
     for name, m, q, kind in LATENCY:
@@ -141,6 +137,16 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
         ha, hb = a.hist(concept), b.hist(concept)
         if ha is not None and hb is not None:
             metrics[name] = compare_histograms(ha, hb, rule)
+    return metrics
+
+
+def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun | str | Path, *,
+                     rule: Rule = EXTERNAL_RULE) -> dict[str, Any]:
+    """Two external runs compared with ``rule`` (default: the run-to-run priors measured on real vLLM
+    runs, ``stats.RUN_SPREAD_EXTERNAL``; one pair calls large changes only)."""
+    a, b = _as_run(baseline), _as_run(candidate)
+    paired = _paired(a, b)
+    metrics = _metrics(a, b, rule, paired)
     wdiff = workload_diff(a, b)
     cdiff = engine_diff(a, b)
     sa, sb = ms.server_split(a), ms.server_split(b)
