@@ -15,7 +15,7 @@ import pandas as pd
 
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, ms, quantile_components
-from layerscope.diagnose.rules import IDLE, RESIDUAL, WORKLOAD, Part
+from layerscope.diagnose.rules import IDLE, RESIDUAL, WORKLOAD, Finding, Part
 from layerscope.diagnose.work import METRIC as WORK_METRIC
 from layerscope.diagnose.work import layer_of
 
@@ -55,10 +55,9 @@ def metric_findings(name: str, comp: pd.DataFrame, causes: Causes, metric: dict,
         for p in sorted(f["parts"], key=lambda p: -abs(p.delta_s)):
             evidence += [e for e in p.evidence if e not in evidence]
         alts = [dict(a, cause=_faster(a["cause"]) if main.delta_s < 0 else a["cause"]) for a in main.alternatives]
-        out.append({"metric": name, "layer": layer, "share": round(share, 4), "delta_s": f["delta_s"],
-                    "cause": cause, "evidence": evidence, "config_changes": [], "alternatives": alts,
-                    "_score": abs(metric["delta_pct"]) * share * (1.0 if metric["worse"] else 0.01),
-                    "_measured": sorted(f["measured"])})
+        out.append(Finding(name, layer, round(share, 4), f["delta_s"], cause, evidence, [], alts).as_dict(
+            _score=abs(metric["delta_pct"]) * share * (1.0 if metric["worse"] else 0.01),
+            _measured=sorted(f["measured"])))
     return out
 
 

@@ -74,7 +74,9 @@ def test_json_shape_is_designs(synth):
     for m in d["metrics"].values():
         assert list(m)[:4] == ["baseline", "candidate", "delta_pct", "significant"]
     for f in d["findings"]:
-        assert set(f) == {"metric", "layer", "share", "delta_s", "cause", "evidence", "config_changes", "alternatives"}
+        # (machine_share since issue 36: the machine's measured part where the runs' machines differed)
+        assert set(f) == {"metric", "layer", "share", "delta_s", "cause", "evidence", "config_changes", "alternatives",
+                          "machine_share"}
         assert not (isinstance(f["share"], float) and math.isnan(f["share"]))
     assert d["primary"] == {"metric": d["findings"][0]["metric"], "layer": "gateway.queue"}
 
