@@ -5,29 +5,20 @@ around the same quantile in both runs (e.g. ranks 40-60% for p50) are averaged p
 component; the component deltas plus a residual sum exactly to the quantile's
 delta. Throughput is attributed as seconds per output token, split by step phase.
 
-Step 2, causes (``Causes.explain``): the layer where time was *spent* is not always the
-layer that *caused* it. Queue time grows when KV blocks run out (engine.kv), when
-the router overloads one replica (gateway.route), when admission is capped
-(engine.queue) or when every step got slower (the slower phase's layer); model time
-grows in one layer row (model.forward), in kernels or launch gaps
-(kernel.compute / kernel.launch_gap, from profiler windows or, failing those, from how
-forward time scales with batch tokens), or because steps carry more tokens (the
-batch composition: prefix cache, recomputation, config or workload). Each rule
-needs evidence from both runs' measurements and returns it as text.
+Step 2, causes: the layer where time was *spent* is not always the layer that *caused* it.
+``Causes.explain`` passes a component's delta through the cause rules, which are data
+(``rules.RULES``, ``QUEUE_RULES``, ``FORWARD_RULES``: layer, measures read, predicate, explanation,
+evidence; docs/diagnose.md §4 lists them). ``Causes`` holds what the rules read: both runs'
+analyses, the per-step phase deltas at equal batch size, and the evidence each rule quotes.
 
-(Longer than 400 lines on purpose: the cause rules call each other and share one
-context, both runs' analyses; split apart they would be harder to check as a whole.)
-
-Why one file past 400 lines: the accounting and the cause rules are one argument (a cause must
-explain the component that moved), and every rule is written both ways (regression and
-improvement) against the same evidence helpers; split, a rule and its evidence would drift apart.
+(Over 400 lines: the measures the rules read share one context, both runs' analyses and the
+per-step fits; split, a rule's predicate and the evidence it quotes would read different fits.)
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -36,6 +27,7 @@ from layerscope.contract import CONFIG_DEFAULTS
 from layerscope.diagnose import model
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.decompose import COMPONENTS, col
+from layerscope.diagnose.rules import FORWARD, FORWARD_RULES, KV_LAYERS, PHASE_OF, RULES, STEP_LAYERS, Ask, Part, dispatch
 
 WINDOWS = {0.5: (0.4, 0.6), 0.9: (0.85, 0.95), 0.99: (0.97, 1.0)}
 STEP_PHASES = ("engine.schedule", "model.forward", "parallel.collective", "engine.output")
@@ -119,18 +111,6 @@ def throughput_components(a: RunAnalysis) -> dict[str, float]:
     return out
 
 
-@dataclass
-class Part:
-    """Part of a component's delta blamed on one layer, with the reason."""
-
-    layer: str
-    delta_s: float
-    cause: str
-    evidence: list[str] = field(default_factory=list)
-    # causes that predict the same measurements ("can't tell"): [{layer, cause, reason}]
-    alternatives: list[dict] = field(default_factory=list)
-
-
 def ms(x: float) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
@@ -208,7 +188,7 @@ class Causes:
         base = e["host"] + e["model"] + e["output"]
         if not base > 0:
             return math.nan
-        moved = sum(_z(self.phase.get(k)) for k in ("engine.schedule", "model.forward", "engine.output"))
+        moved = sum(_z(self.phase.get(k)) for k in STEP_LAYERS)
         return (base + moved) / base
 
     def standout_phase(self, worse: bool, factor: float = 1.5, min_share: float = 0.1) -> dict | None:
@@ -286,7 +266,7 @@ class Causes:
         if not wait or any(w is None or math.isnan(w) for w in wait) or s * (wait[1] - wait[0]) < MIN_WAIT_MOVE:
             return None
         p = self.machine.get("run_wait_p_value")
-        return self._router_evidence() + [
+        return self.router_evidence() + [
             "per step at equal batch size: " + ", ".join(f"{k} x{v:.2f}" for k, v in r.items() if not math.isnan(v)),
             f"the run's own threads waited for a CPU {wait[0]:.0%} -> {wait[1]:.0%} of the time they were runnable"
             + (f" (p={p:.2g})" if p is not None and not math.isnan(p) else "")]
@@ -308,110 +288,41 @@ class Causes:
         return self.router_skewed(1.0) or self.router_skewed(-1.0)
 
     def explain(self, layer: str, delta_s: float, metric: str, from_slowdown: bool = False) -> list[Part]:
-        """Blame ``delta_s`` seconds measured in ``layer`` on the layer(s) that caused it.
+        """Blame ``delta_s`` seconds measured in ``layer`` on the layer(s) that caused it: the first rule of
+        ``rules.RULES`` that applies (``from_slowdown``: one phase of a per-step slowdown)."""
+        return dispatch(RULES, Ask(self, layer, delta_s, metric, from_slowdown))
 
-        ``from_slowdown``: called to explain one phase of a per-step slowdown (the batch
-        composition rule must not hand it back to the slowdown rule). Every rule is symmetric:
-        for a delta < 0 (an improvement) it looks for the limit that bound the baseline."""
-        s = 1.0 if delta_s >= 0 else -1.0
-        if self.router_skewed(s) and layer not in ("gateway.queue", "gateway.route", "parallel.collective"):
-            return [Part("gateway.route", delta_s, f"the router overloads one replica: its requests wait and its "
-                         f"batches grow ({layer})", self._router_evidence())]
-        if layer in ("engine.queue", "engine.schedule", "model.forward", "engine.output", "idle") and (
-                shared := self.routing_shared_cpus(s)):
-            return [Part("gateway.route", delta_s, "the routing moved requests between replicas that share the "
-                         f"machine's CPUs: the run's own processes competed {'more' if s > 0 else 'less'} for a "
-                         f"CPU, and every phase of a step ran {'slower' if s > 0 else 'faster'} by about one "
-                         f"factor ({layer})", shared)]
-        if self.uniform and layer in ("engine.queue", "engine.schedule", "model.forward", "engine.output",
-                                      "parallel.collective", "engine.kv", "idle"):
-            u = self.uniform
-            ratios = ", ".join(f"{k} x{v:.2f}" for k, v in u.items())
-            return [Part("hardware", delta_s, "every phase of every step got slower by about the same factor with no "
-                         "config change: the machine was slower or busier (or a new version is slower everywhere)",
-                         [f"per step at equal batch size: {ratios}", f"time measured in {layer}"])]
-        if layer == "engine.queue" or (layer == "idle" and not self.workload_changed):
-            return self._queue(delta_s, layer)
-        if layer == "idle":
-            return [Part("workload", delta_s, "the engine sat idle waiting for requests: the offered load changed")]
-        if layer == "model.forward":
-            return self._forward(delta_s, from_slowdown)
-        if layer == "engine.kv":
-            return [Part("engine.kv", delta_s, "time lost to preemption (waiting preempted, recomputing)",
-                         self._kv_evidence())]
-        if layer == "gateway.queue":
-            return [Part("gateway.queue", delta_s, "requests wait longer for admission at the gateway",
-                         [f"gateway.queue {self._req_p50('gateway.queue')}"])]
-        if layer == "gateway.route" and self.slowdown(s) >= 0.1 and not from_slowdown:
-            # a replica reads new requests between steps: the hand-off waits for the step in progress
-            parts = self._slowdown_parts(delta_s, "requests wait longer for the replica's step in progress before "
-                                                  "the engine takes them")
-            if parts:
-                return parts
-        if layer == "gateway.route":
-            return [Part("gateway.route", delta_s, "the router decision / hand-off to the replica got slower",
-                         [f"gateway.route {self._req_p50('gateway.route')}"] + self._router_evidence())]
-        if layer in ("engine.schedule", "engine.output") and not from_slowdown:
-            more = self._more_steps(delta_s, layer)
-            if more:
-                return more
-            exp = self.expected["host" if layer == "engine.schedule" else "output"]
-            if not s * self.phase[layer] >= 0.1 * exp:  # per step at equal batch size not >= 10% slower (faster)
-                return self._steps_per_work(delta_s, layer, metric)
-        if layer == "engine.schedule":
-            e = self.expected["host"]
-            return [Part("engine.schedule", delta_s, "host time per step (scheduling, input preparation) grew",
-                         [f"host time per step at equal batch size {ms(e)} -> {ms(e + self.phase['engine.schedule'])}",
-                          f"host share of step time {pct(self.ia['host_share'])} -> {pct(self.ib['host_share'])}"])]
-        if layer == "parallel.collective":
-            return [Part("parallel.collective", delta_s, "tensor-parallel collectives got slower",
-                         self._collective_evidence())]
-        if layer == "engine.output":
-            e = self.expected["output"]
-            return [Part("engine.output", delta_s, "output processing / streaming back got slower",
-                         [f"output phase per step at equal batch size {ms(e)} -> {ms(e + self.phase['engine.output'])}"])]
-        return [Part(layer, delta_s, f"time in {layer} changed")]
+    # ---- measures the queue rules read ----
+    def kv_worse(self, s: float) -> bool:
+        """The run the limit bound (the candidate for s > 0) ran out of KV blocks more often."""
+        x, y = (self.ia, self.ib) if s > 0 else (self.ib, self.ia)
+        return (y["kv_exhausted_frac"] - x["kv_exhausted_frac"] >= 0.05
+                or y["num_preemptions"] > 2 * x["num_preemptions"] + 5)
 
-    # ---- queueing ----
-    def _queue(self, d: float, measured: str) -> list[Part]:
-        ia, ib = self.ia, self.ib
-        where = "in the engine's waiting queue" if measured == "engine.queue" else "with the engine idle"
-        kv_keys = {"num_kv_blocks", "block_size", "kv_cache_memory_bytes", "resolved.num_kv_blocks"} & self.keys
-        s = 1.0 if d >= 0 else -1.0
-        x, y = (ia, ib) if s > 0 else (ib, ia)  # x: the run the limit did not bind
-        kv_worse = (y["kv_exhausted_frac"] - x["kv_exhausted_frac"] >= 0.05
-                    or y["num_preemptions"] > 2 * x["num_preemptions"] + 5)
-        if kv_worse and (kv_keys or self.slowdown(s) < 0.1):
-            return [Part("engine.kv", d, f"KV cache exhausted: requests wait {where} for free blocks and get preempted",
-                         self._kv_evidence())]
-        if self._prefix_lost(s):
-            if "router_policy" in self.keys:
-                return [Part("gateway.route", d, "prefix-cache hits dropped with the routing (router_policy changed), "
-                             "so requests wait longer for the busier engine",
-                             self._prefix_evidence() + self._router_evidence())]
-            return [Part("engine.kv", d, "prefix-cache hits dropped: more of each prompt is prefilled, so requests "
-                         "wait longer for the busier engine", self._prefix_evidence())]
-        seqs_up = y["seqs_capped_frac"] - x["seqs_capped_frac"] >= 0.1
-        if seqs_up and ("max_num_seqs" in self.keys or self.slowdown(s) < 0.1):
-            return [Part("engine.queue", d, "admission capped by max_num_seqs: the running batch is full while "
-                         "requests wait", [f"running = max_num_seqs with requests waiting on "
-                                           f"{pct(ia['seqs_capped_frac'])} -> {pct(ib['seqs_capped_frac'])} of steps"])]
-        budget_up = y["budget_capped_frac"] - x["budget_capped_frac"] >= 0.1
-        if budget_up and ("max_num_batched_tokens" in self.keys or self.slowdown(s) < 0.1):
-            return [Part("engine.queue", d, "admission capped by the token budget (max_num_batched_tokens)",
-                         [f"steps at the token budget with requests waiting {pct(ia['budget_capped_frac'])} -> "
-                          f"{pct(ib['budget_capped_frac'])}"])]
-        if self.workload_changed:
-            return [Part("workload", d, f"the offered load changed; requests wait {where}")]
-        if self.slowdown(s) >= 0.1:
-            parts = self._slowdown_parts(d, f"requests queue longer {where}")
-            if parts:
-                return parts
-        return [Part("engine.queue" if measured == "engine.queue" else "workload", d,
-                     f"requests wait longer {where} with no capacity limit or slower step to explain it",
-                     [f"steps with requests waiting {pct(ia['waiting_frac'])} -> {pct(ib['waiting_frac'])}"])]
+    def capped(self, key: str, s: float) -> bool:
+        """The share of steps at a cap (``seqs_capped_frac`` | ``budget_capped_frac``) rose by 10 points."""
+        x, y = (self.ia, self.ib) if s > 0 else (self.ib, self.ia)
+        return y[key] - x[key] >= 0.1
 
-    def _slowdown_parts(self, d: float, effect: str) -> list[Part]:
+    def capped_text(self, key: str, what: str) -> str:
+        return f"{what} {pct(self.ia[key])} -> {pct(self.ib[key])} of steps"
+
+    def waiting_text(self) -> str:
+        return f"steps with requests waiting {pct(self.ia['waiting_frac'])} -> {pct(self.ib['waiting_frac'])}"
+
+    def phase_evidence(self, layer: str) -> list[str]:
+        e = self.expected[PHASE_OF[layer]]
+        what = "host time" if PHASE_OF[layer] == "host" else "output phase"
+        return [f"{what} per step at equal batch size {ms(e)} -> {ms(e + self.phase[layer])}"]
+
+    def host_share_text(self) -> str:
+        return f"host share of step time {pct(self.ia['host_share'])} -> {pct(self.ib['host_share'])}"
+
+    @staticmethod
+    def ratio_text(ratios: dict[str, float]) -> str:
+        return ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items())
+
+    def slowdown_parts(self, d: float, effect: str) -> list[Part]:
         """Split ``d`` over the step phases that got slower (d > 0) or faster (d < 0) at equal batch size."""
         s = 1.0 if d >= 0 else -1.0
         up = {k: v for k, v in self.phase.items() if s * v > 0}
@@ -430,11 +341,11 @@ class Causes:
                 p.delta_s *= scale
         return parts
 
-    def _more_steps(self, d: float, layer: str) -> list[Part]:
+    def more_steps(self, d: float, layer: str) -> list[Part]:
         """Per-step costs grew because requests took part in more steps (smaller prefill chunks,
         recomputation, longer outputs), not because a step got slower."""
         ia, ib = self.ia, self.ib
-        per_step = self.phase[layer] / (self.expected["host" if layer == "engine.schedule" else "output"] or math.nan)
+        per_step = self.phase[layer] / (self.expected[PHASE_OF[layer]] or math.nan)
         s = 1.0 if d >= 0 else -1.0
         sa, sb = ia.get("steps_per_request", math.nan), ib.get("steps_per_request", math.nan)
         ca, cb = ia.get("prefill_chunks_per_request", math.nan), ib.get("prefill_chunks_per_request", math.nan)
@@ -450,20 +361,20 @@ class Causes:
                     return [Part(lyr, d, f"prompts are prefilled in more, smaller chunks ({key} changed): every "
                                  "chunk pays a step", ev)]
         if s * (ib["recomputed_token_frac"] - ia["recomputed_token_frac"]) >= 0.05:
-            return [Part("engine.kv", d, "preempted requests recompute their KV in extra steps", self._kv_evidence() + ev)]
+            return [Part("engine.kv", d, "preempted requests recompute their KV in extra steps", self.kv_evidence() + ev)]
         if self.workload_changed:
             return [Part("workload", d, "requests take part in more steps: the offered load changed", ev)]
         return []
 
-    def _steps_per_work(self, d: float, layer: str, metric: str) -> list[Part]:
+    def steps_per_work(self, d: float, layer: str, metric: str) -> list[Part]:
         """Time in a per-step phase moved although the phase per step at equal batch size did not
         move that way: the batches changed. Per output token (throughput), smaller batches pay
         the per-step costs more often; per request (latencies), larger batches make each step's
         phase longer."""
         s = 1.0 if d >= 0 else -1.0
         ia, ib = self.ia, self.ib
-        per = "host time" if layer == "engine.schedule" else "output phase"
-        exp = self.expected["host" if layer == "engine.schedule" else "output"]
+        per = "host time" if PHASE_OF[layer] == "host" else "output phase"
+        exp = self.expected[PHASE_OF[layer]]
         unchanged = f"{per} per step at equal batch size {ms(exp)} -> {ms(exp + self.phase[layer])} (did not move this way)"
         if metric != "output_tokens_per_s" and not metric.startswith("goodput"):
             sa, sb = self.a.run.steps, self.b.run.steps
@@ -476,7 +387,7 @@ class Causes:
             comp = self._composition(d)
             parts = comp if isinstance(comp, list) else [comp]
             for p in parts:
-                if p.layer == "model.forward":  # (_composition's default speaks of forwards)
+                if p.layer == FORWARD:  # (_composition's default speaks of forwards)
                     p.layer, p.cause = layer, "more requests share each step (larger batches), so each step's " \
                                               f"{per} is longer"
                 p.evidence = ev + [e for e in p.evidence if not e.startswith("batch tokens per step")]
@@ -496,37 +407,43 @@ class Causes:
                              "paid more often", ev)]
         if y["kv_exhausted_frac"] - x["kv_exhausted_frac"] >= 0.05 or y["num_preemptions"] > 2 * x["num_preemptions"] + 5:
             return [Part("engine.kv", d, "KV cache exhausted: smaller batches, so the per-step costs are paid more "
-                         "often", self._kv_evidence() + ev)]
+                         "often", self.kv_evidence() + ev)]
         if self.workload_changed:
             return [Part("workload", d, "steps carry fewer tokens each: the offered load changed", ev)]
         return [Part(layer, d, "steps carry fewer tokens each, so the per-step costs are paid more often", ev)]
 
     # ---- model time ----
-    def _forward(self, d: float, from_slowdown: bool = False) -> list[Part]:
-        """Model time changed by ``d`` (s). Symmetric: for d < 0 every test below looks for the
-        row, gap or cost that got faster (the baseline's limit)."""
-        ia, ib = self.ia, self.ib
+    def forward(self, d: float, from_slowdown: bool = False) -> list[Part]:
+        """Model time changed by ``d`` (s): the first of ``rules.FORWARD_RULES`` that explains it. Symmetric:
+        for d < 0 every rule looks for the row, gap or cost that got faster (the baseline's limit)."""
+        return dispatch(FORWARD_RULES, Ask(self, FORWARD, d, "step", from_slowdown))
+
+    def sampler_parts(self, d: float) -> list[Part]:
+        p = self._sampler(d)
+        return [p] if p is not None else []
+
+    def forward_from_batches(self, s: float) -> bool:
+        """Steps are not slower (faster) per token: they carry more (fewer) tokens. Or the work per
+        token changed where a line on batch tokens cannot follow it, so "at equal batch size" is
+        no measure: prefix-cache hits dropped (each prefill token attends over the context that
+        was cached: attention's cost grows with context, not with the step's tokens), or a config
+        that shapes the batch changed and the two runs ran mostly unlike batches (the baseline's
+        line carried into batches it never ran). Unlike batches with no such change come from the
+        steps' own speed (slower steps gather more requests): the fit stays the measure there."""
+        base_fwd = self.ia.get("forward_s_mean") or math.nan
+        normalized = self.phase[FORWARD] / base_fwd if base_fwd > 0 else 0.0
+        return bool(s * normalized < 0.1 or self.prefix_lost(s)
+                    or (self.keys & BATCH_SHAPING_KEYS and self.batch_overlap() < MIN_BATCH_OVERLAP))
+
+    def composition_parts(self, d: float, from_slowdown: bool) -> list[Part]:
+        if from_slowdown:
+            return [Part(FORWARD, d, "model time per step grew with the batch")]
+        comp = self._composition(d)
+        return comp if isinstance(comp, list) else [comp]
+
+    def one_row(self, d: float) -> list[Part]:
+        """One layer row (the same row of the other layers did not move alike) explains the change."""
         s = 1.0 if d >= 0 else -1.0
-        word = "grew" if s > 0 else "shrank"
-        sampler = self._sampler(d)
-        if sampler is not None:
-            return [sampler]
-        fwd_slow = self.phase["model.forward"]
-        base_fwd = ia.get("forward_s_mean") or math.nan
-        normalized = fwd_slow / base_fwd if base_fwd > 0 else 0.0
-        # steps are not slower (faster) per token: they carry more (fewer) tokens. Or the work per
-        # token changed where a line on batch tokens cannot follow it, so "at equal batch size" is
-        # no measure: prefix-cache hits dropped (each prefill token attends over the context that
-        # was cached: attention's cost grows with context, not with the step's tokens), or a config
-        # that shapes the batch changed and the two runs ran mostly unlike batches (the baseline's
-        # line carried into batches it never ran). Unlike batches with no such change come from the
-        # steps' own speed (slower steps gather more requests): the fit stays the measure there.
-        if (s * normalized < 0.1 or self._prefix_lost(s)
-                or (self.keys & BATCH_SHAPING_KEYS and self.batch_overlap() < MIN_BATCH_OVERLAP)):
-            if from_slowdown:
-                return [Part("model.forward", d, "model time per step grew with the batch")]
-            comp = self._composition(d)
-            return comp if isinstance(comp, list) else [comp]
         fa = self.a.forward_fit
         scale = 1.0
         if not math.isnan(fa["per_token_s"]):
@@ -536,71 +453,87 @@ class Causes:
         shown = model.layer_row_deltas(self.a.run, self.b.run, scale)
         shown = shown[shown["name"] != "sampler"]
         rows = _toward(shown, s)
-        if not rows.empty:
-            pos = rows[rows["delta_s"] > 0]
-            total = pos["delta_s"].sum()
-            top = rows.iloc[0]
-            m = re.fullmatch(r"layers\.\d+\.(\w+)", top["name"])
-            sib = rows[rows["name"].str.fullmatch(rf"layers\.\d+\.{m.group(1)}") & (rows["name"] != top["name"])] \
-                if m else rows.iloc[1:]
-            sib_max = max(float(sib["delta_s"].max()), 0.0) if len(sib) else 0.0
-            others = rows.iloc[1:]["ratio"].dropna()
-            sib_ratio = float(sib["ratio"].max()) if len(sib) and sib["ratio"].notna().any() else 1.0
-            # localized: the same row of the other layers did not grow alike, in seconds or (when
-            # everything got slower around an injected delay, as on a shared CPU) as a factor
-            by_delta = top["delta_s"] >= 3 * sib_max
-            by_ratio = (len(others) > 0 and top["ratio"] >= 3 * float(others.median())
-                        and top["ratio"] >= 3 * sib_ratio)
-            if (total > 0 and top["delta_s"] >= 0.3 * total and top["delta_s"] >= 0.3 * top["baseline_s"]
-                    and (by_delta or by_ratio)):
-                named = shown.set_index("name").loc[list(pos.head(3)["name"])]
-                ev = [f"{name} {ms(r.baseline_s)} -> {ms(r.candidate_s)} per timed step (at equal batch size)"
-                      for name, r in named.iterrows()]
-                return [Part("model.forward", d, f"one layer row got slower: {top['name']}", ev)]
+        if rows.empty:
+            return []
+        pos = rows[rows["delta_s"] > 0]
+        total = pos["delta_s"].sum()
+        top = rows.iloc[0]
+        m = re.fullmatch(r"layers\.\d+\.(\w+)", top["name"])
+        sib = rows[rows["name"].str.fullmatch(rf"layers\.\d+\.{m.group(1)}") & (rows["name"] != top["name"])] \
+            if m else rows.iloc[1:]
+        sib_max = max(float(sib["delta_s"].max()), 0.0) if len(sib) else 0.0
+        others = rows.iloc[1:]["ratio"].dropna()
+        sib_ratio = float(sib["ratio"].max()) if len(sib) and sib["ratio"].notna().any() else 1.0
+        # localized: the same row of the other layers did not grow alike, in seconds or (when
+        # everything got slower around an injected delay, as on a shared CPU) as a factor
+        by_delta = top["delta_s"] >= 3 * sib_max
+        by_ratio = (len(others) > 0 and top["ratio"] >= 3 * float(others.median())
+                    and top["ratio"] >= 3 * sib_ratio)
+        if (total > 0 and top["delta_s"] >= 0.3 * total and top["delta_s"] >= 0.3 * top["baseline_s"]
+                and (by_delta or by_ratio)):
+            named = shown.set_index("name").loc[list(pos.head(3)["name"])]
+            ev = [f"{name} {ms(r.baseline_s)} -> {ms(r.candidate_s)} per timed step (at equal batch size)"
+                  for name, r in named.iterrows()]
+            return [Part(FORWARD, d, f"one layer row got slower: {top['name']}", ev)]
+        return []
+
+    def kernel_parts(self, d: float) -> list[Part]:
+        """From profiler windows in both runs: launch gaps against time inside kernels/ops, and whether
+        the changed ops fit a fixed time per call or a common factor."""
+        s = 1.0 if d >= 0 else -1.0
+        word = "grew" if s > 0 else "shrank"
+        fwd_slow = self.phase[FORWARD]
         ka, kb = self.a.kernel_summary, self.b.kernel_summary
-        if ka["num_steps"] and kb["num_steps"]:
-            # idle gaps per forward barely depend on the batch; compute does, so take it from the
-            # forward slowdown at equal batch size minus the gap change. Ops that all gained the
-            # same time per call (not the same factor) are launch overhead booked inside the op.
-            dg = s * (kb["gap_s"] - ka["gap_s"])  # in the direction of d
-            dc = s * fwd_slow - max(dg, 0.0)
-            ops = model.op_change_kind(_toward(model.kernel_op_deltas(self.a.run, self.b.run), s))
-            ev = [f"launch gaps per profiled forward {ms(ka['gap_s'])} -> {ms(kb['gap_s'])} "
-                  f"({pct(ka['gap_share'])} -> {pct(kb['gap_share'])} of forward)",
-                  f"kernel compute per profiled forward {ms(ka['compute_s'])} -> {ms(kb['compute_s'])}; "
-                  f"forward {'+' if fwd_slow >= 0 else ''}{ms(fwd_slow)} per step at equal batch size"]
-            gained = "gained" if s > 0 else "lost"
-            ambiguous = ops["kind"] is not None and _cannot_tell(ops)
-            if ambiguous:
-                ev.append(f"{ops['num_ops']} ops each {gained} about {ms(ops['per_op_s'])} per call, about "
-                          f"{ops['factor'] if s > 0 else 1 / ops['factor']:.2f}x; the two models fit alike "
-                          f"(spread {ops['cv_additive']:.2f} for a fixed time per call, {ops['cv_multiplicative']:.2f}"
-                          f" for a common factor; the ops' own sizes vary by {ops['cv_size']:.2f})")
-                return [Part("model.forward", d, f"time inside the kernels/ops {word}: a fixed cost per call or a "
-                             "proportional slowdown, which these measurements cannot tell apart", ev,
-                             alternatives=_KERNEL_ALTERNATIVES(s, ops))]
-            if ops["kind"] == "additive":
-                ev.append(f"{ops['num_ops']} ops each {gained} about {ms(ops['per_op_s'])} per call whatever their "
-                          f"size (spread {ops['cv_additive']:.2f} vs {ops['cv_multiplicative']:.2f} for a common "
-                          "factor): a fixed cost per launch")
-                dg, dc = max(dg, 0.0) + max(dc, 0.0), 0.0
-            elif ops["kind"] == "multiplicative":
-                f = ops["factor"] if s > 0 else 1 / ops["factor"]
-                ev.append(f"{ops['num_ops']} ops each got about {f:.2f}x {'slower' if s > 0 else 'faster'} (spread "
-                          f"{ops['cv_multiplicative']:.2f} vs {ops['cv_additive']:.2f} for a fixed extra time)")
-            up = max(dc, 0) + max(dg, 0)
-            if up > 0:
-                parts = []
-                if dg > 0 and dg / up >= 0.1:
-                    parts.append(Part("kernel.launch_gap", d * dg / up, "device idle between kernels/ops grew"
-                                      if ops["kind"] != "additive" else "a fixed cost per kernel/op launch grew", ev))
-                if dc > 0 and dc / up >= 0.1:
-                    parts.append(self._compute_part(d * dc / up, "time inside kernels/ops grew", ev))
-                if parts:
-                    scale = d / sum(p.delta_s for p in parts)
-                    for p in parts:
-                        p.delta_s *= scale
-                    return parts
+        if not (ka["num_steps"] and kb["num_steps"]):
+            return []
+        # idle gaps per forward barely depend on the batch; compute does, so take it from the
+        # forward slowdown at equal batch size minus the gap change. Ops that all gained the
+        # same time per call (not the same factor) are launch overhead booked inside the op.
+        dg = s * (kb["gap_s"] - ka["gap_s"])  # in the direction of d
+        dc = s * fwd_slow - max(dg, 0.0)
+        ops = model.op_change_kind(_toward(model.kernel_op_deltas(self.a.run, self.b.run), s))
+        ev = [f"launch gaps per profiled forward {ms(ka['gap_s'])} -> {ms(kb['gap_s'])} "
+              f"({pct(ka['gap_share'])} -> {pct(kb['gap_share'])} of forward)",
+              f"kernel compute per profiled forward {ms(ka['compute_s'])} -> {ms(kb['compute_s'])}; "
+              f"forward {'+' if fwd_slow >= 0 else ''}{ms(fwd_slow)} per step at equal batch size"]
+        gained = "gained" if s > 0 else "lost"
+        ambiguous = ops["kind"] is not None and _cannot_tell(ops)
+        if ambiguous:
+            ev.append(f"{ops['num_ops']} ops each {gained} about {ms(ops['per_op_s'])} per call, about "
+                      f"{ops['factor'] if s > 0 else 1 / ops['factor']:.2f}x; the two models fit alike "
+                      f"(spread {ops['cv_additive']:.2f} for a fixed time per call, {ops['cv_multiplicative']:.2f}"
+                      f" for a common factor; the ops' own sizes vary by {ops['cv_size']:.2f})")
+            return [Part("model.forward", d, f"time inside the kernels/ops {word}: a fixed cost per call or a "
+                         "proportional slowdown, which these measurements cannot tell apart", ev,
+                         alternatives=_KERNEL_ALTERNATIVES(s, ops))]
+        if ops["kind"] == "additive":
+            ev.append(f"{ops['num_ops']} ops each {gained} about {ms(ops['per_op_s'])} per call whatever their "
+                      f"size (spread {ops['cv_additive']:.2f} vs {ops['cv_multiplicative']:.2f} for a common "
+                      "factor): a fixed cost per launch")
+            dg, dc = max(dg, 0.0) + max(dc, 0.0), 0.0
+        elif ops["kind"] == "multiplicative":
+            f = ops["factor"] if s > 0 else 1 / ops["factor"]
+            ev.append(f"{ops['num_ops']} ops each got about {f:.2f}x {'slower' if s > 0 else 'faster'} (spread "
+                      f"{ops['cv_multiplicative']:.2f} vs {ops['cv_additive']:.2f} for a fixed extra time)")
+        up = max(dc, 0) + max(dg, 0)
+        if up > 0:
+            parts = []
+            if dg > 0 and dg / up >= 0.1:
+                parts.append(Part("kernel.launch_gap", d * dg / up, "device idle between kernels/ops grew"
+                                  if ops["kind"] != "additive" else "a fixed cost per kernel/op launch grew", ev))
+            if dc > 0 and dc / up >= 0.1:
+                parts.append(self._compute_part(d * dc / up, "time inside kernels/ops grew", ev))
+            if parts:
+                scale = d / sum(p.delta_s for p in parts)
+                for p in parts:
+                    p.delta_s *= scale
+                return parts
+        return []
+
+    def fit_parts(self, d: float) -> list[Part]:
+        """Without profiler windows: the forward's line on batch tokens, fixed cost against cost per token."""
+        s = 1.0 if d >= 0 else -1.0
+        word = "grew" if s > 0 else "shrank"
         fa, fb = self.a.forward_fit, self.b.forward_fit
         if not math.isnan(fa["per_token_s"]) and not math.isnan(fb["per_token_s"]) and fa["intercept_s"] > 0 \
                 and fb["intercept_s"] > 0:
@@ -621,12 +554,11 @@ class Causes:
                 return [Part("kernel.launch_gap", d, "a fixed cost per forward grew, not the cost per token "
                              "(launch gaps or per-op overhead)", ev)]
             if not math.isnan(r_tok) and r_tok >= 1.1:
-                if self._prefix_lost(s):  # the work grew because prompts are prefilled in full (longer contexts)
+                if self.prefix_lost(s):  # the work grew because prompts are prefilled in full (longer contexts)
                     return [Part("engine.kv", d, "prefix-cache hits dropped: prompts are prefilled in full, so each "
-                                 "forward computes more and longer prefills", self._prefix_evidence() + ev)]
+                                 "forward computes more and longer prefills", self.prefix_evidence() + ev)]
                 return [self._compute_part(d, "forward time grew in proportion to the work", ev)]
-        return [Part("model.forward", d, "model forward time grew across the model",
-                     [f"forward per step {ms(ia['forward_s_mean'])} -> {ms(ib['forward_s_mean'])}"])]
+        return []
 
     @staticmethod
     def _token_spread(x: RunAnalysis) -> float:
@@ -648,27 +580,27 @@ class Causes:
               f"batch tokens per step {self.a.run.steps['num_batched_tokens'].mean():.1f} -> "
               f"{self.b.run.steps['num_batched_tokens'].mean():.1f}"]
         s = 1.0 if d >= 0 else -1.0
-        if self._prefix_lost(s):
+        if self.prefix_lost(s):
             if "router_policy" in self.keys:  # where requests land decides what each replica has cached
                 return Part("gateway.route", d, "prefix-cache hits dropped with the routing (router_policy changed), "
-                            "so more of each prompt is prefilled", self._prefix_evidence() + self._router_evidence() + ev)
+                            "so more of each prompt is prefilled", self.prefix_evidence() + self.router_evidence() + ev)
             return Part("engine.kv", d, "prefix-cache hits dropped, so more of each prompt is prefilled",
-                        self._prefix_evidence() + ev)
+                        self.prefix_evidence() + ev)
         if s * (ib["recomputed_token_frac"] - ia["recomputed_token_frac"]) >= 0.05:
-            return Part("engine.kv", d, "preempted requests recompute their KV", self._kv_evidence() + ev)
+            return Part("engine.kv", d, "preempted requests recompute their KV", self.kv_evidence() + ev)
         for key, layer in BATCH_SHAPING.items():
             if key in self.keys:
                 return Part(layer, d, f"steps carry a different batch ({key} changed)",
-                            (self._kv_evidence() if layer == "engine.kv" else []) + ev)
+                            (self.kv_evidence() if layer in KV_LAYERS else []) + ev)
         # the run with the smaller batches ran out of KV blocks: the pool shaped the batch
         small, large = (ia, ib) if s > 0 else (ib, ia)
         if small["kv_exhausted_frac"] - large["kv_exhausted_frac"] >= 0.05:
             return Part("engine.kv", d, "more requests fit in the KV pool at once (larger batches, each step longer)",
-                        self._kv_evidence() + ev)
+                        self.kv_evidence() + ev)
         if self.workload_changed:
             return Part("workload", d, "steps carry more tokens: the offered load changed", ev)
         if self.slowdown(s) >= 0.1:
-            parts = self._slowdown_parts(d, "more requests share each step (larger batches)")
+            parts = self.slowdown_parts(d, "more requests share each step (larger batches)")
             if parts:
                 return parts
         return Part("model.forward", d, "steps carry more tokens per forward (batch composition)", ev)
@@ -696,7 +628,7 @@ class Causes:
         return None
 
     # ---- evidence helpers ----
-    def _prefix_lost(self, s: float = 1.0) -> bool:
+    def prefix_lost(self, s: float = 1.0) -> bool:
         """Prefix-cache hits dropped with more prefill per request (s > 0), or rose with less (s < 0)."""
         x, y = (self.ia, self.ib) if s > 0 else (self.ib, self.ia)
         ha, hb = x["prefix_hit_rate"], y["prefix_hit_rate"]
@@ -707,7 +639,7 @@ class Causes:
             not math.isnan(ca) and not math.isnan(cb) and (ca - cb >= 0.1 or (1 - cb) >= 1.1 * (1 - ca) > 0))
         return bool(lost) and y["prefill_tokens_per_request"] >= 1.1 * x["prefill_tokens_per_request"]
 
-    def _prefix_evidence(self) -> list[str]:
+    def prefix_evidence(self) -> list[str]:
         ev = [f"prefix-cache hit rate {pct(self.ia['prefix_hit_rate'])} -> {pct(self.ib['prefix_hit_rate'])}",
               f"cached prompt tokens {pct(self.ia['cached_token_frac'])} -> {pct(self.ib['cached_token_frac'])}"]
         if "enable_prefix_caching" in self.keys:
@@ -715,7 +647,7 @@ class Causes:
                       f"{self.b.cfg('enable_prefix_caching')}")
         return ev
 
-    def _kv_evidence(self) -> list[str]:
+    def kv_evidence(self) -> list[str]:
         ia, ib = self.ia, self.ib
         return [f"KV free blocks at 0 on {pct(ia['kv_exhausted_frac'])} -> {pct(ib['kv_exhausted_frac'])} of steps",
                 f"preemptions {ia['num_preemptions']:.0f} -> {ib['num_preemptions']:.0f}",
@@ -728,7 +660,7 @@ class Causes:
         return (ia["replica_share_max"] / max(ia["num_replicas"], 1),
                 ib["replica_share_max"] / max(ib["num_replicas"], 1))
 
-    def _router_evidence(self) -> list[str]:
+    def router_evidence(self) -> list[str]:
         ia, ib = self.ia, self.ib
         if ib["num_replicas"] <= 1:
             return []
@@ -739,7 +671,7 @@ class Causes:
                       f"{ms(ib['replica_queue_s_max'])}")
         return ev
 
-    def _collective_evidence(self) -> list[str]:
+    def collective_evidence(self) -> list[str]:
         ev = [f"collective time per step {ms(self.ia.get('collective_s_mean'))} -> "
               f"{ms(self.ib.get('collective_s_mean'))}"]
         cr = self.b.collective_ranks
@@ -750,7 +682,7 @@ class Causes:
                       f"{int(slow['rank'])} (skew: one slow rank)")
         return ev
 
-    def _req_p50(self, layer: str) -> str:
+    def req_p50(self, layer: str) -> str:
         c = col("ttft", layer)
         return f"p50 {ms(float(self.a.ok[c].median()))} -> {ms(float(self.b.ok[c].median()))} per request"
 

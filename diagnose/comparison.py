@@ -5,14 +5,13 @@
 workload diff are kept as DataFrames for the TUI and the reports.
 
 (Just over 400 lines: the headline metrics, their significance and the verdict are one
-pass whose parts share the two analyses; the machine verdict and the cause rules live in
-machine.py and attribution.py.)
+pass whose parts share the two analyses; the findings, the headline rule, the machine check and
+the cause rules live in findings.py, headline.py, machine.py/contention.py and rules.py.)
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,14 +20,20 @@ import numpy as np
 import pandas as pd
 
 from layerscope.diagnose.analysis import RunAnalysis
-from layerscope.diagnose.attribution import Causes, Part, ms, quantile_components, throughput_components
+from layerscope.diagnose.attribution import Causes, quantile_components, throughput_components
 from layerscope.diagnose.config_diff import (can_move, change_text, config_diff, diff_records, mark_consistency,
                                             same_software)
 from layerscope.diagnose.load import Run
 from layerscope.diagnose.machine import (higher_is_worse, machine_diff, machine_json, machine_relevant,
-                                        machine_verdict, same_software_verdict, unstable)
+                                        machine_verdict, same_software_verdict)
 from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, against_improvement, beyond_floor, block_means,
-                                      compare_quantile, compare_rate, sensitivity)
+                                      compare_quantile, compare_rate, holm, sensitivity)
+from layerscope.diagnose.contention import could_not_see, hidden_change
+from layerscope.diagnose.findings import goodput_findings, metric_findings, work_finding, workload_finding
+from layerscope.diagnose.headline import DIRECTIONAL, headline, order_by_direction
+from layerscope.diagnose.headline import primary as headline_primary
+from layerscope.diagnose.work import METRIC as WORK_METRIC
+from layerscope.diagnose.work import work_change
 from layerscope.diagnose.workload import workload_diff
 
 SCHEMA = "layerscope.diagnosis/1"
@@ -42,7 +47,6 @@ LATENCY_METRICS = (
 )
 THROUGHPUT = "output_tokens_per_s"
 GOODPUT = "goodput_requests_per_s"
-MIN_SHARE = 0.02  # findings explaining less than this fold into the residual
 
 
 @dataclass
@@ -111,15 +115,87 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     env = machine_diff(a, b)
     # both runs' machines were recorded and did not differ (nor vary, unless the change held over
     # interleaved repetitions): a slowdown of every phase alike is then not the machine's
-    same_machine = bool(env.get("recorded") and not env.get("changed") and (attribute or not unstable(env)))
+    # the machine was measured in both runs: a slowdown of every phase alike is then judged by the
+    # contention measurements (contention.settle), not put down to the machine by the uniform-factor rule
+    same_machine = bool(env.get("recorded"))
     causes = Causes(a, b, changed_keys, workload_changed, bool((cdiff["kind"] == "hardware").any()),
                     same_machine=same_machine, machine=env)
     the_slo = slos(a, slo)
 
-    metrics: dict[str, dict] = {}
-    pairs = _pairs(a.ok, b.ok)
     # both runs saturated (a burst, or load beyond capacity): the larger run-to-run prior applies
     saturated = max(_served_share(a), _served_share(b)) < 0.5
+    metrics = _latency_metrics(a, b, rule, saturated)
+    metrics[THROUGHPUT] = _throughput(a, b, rule, saturated)
+    good_a, good_b = meets_slo(a.ok, the_slo), meets_slo(b.ok, the_slo)  # a.ok is in arrival order
+    metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule, saturated)
+    work = work_change(a, b, rule)  # None unless both runs' steps carry their CPU wait
+    if work is not None:
+        metrics[WORK_METRIC] = work
+
+    attribution = _attribution(a, b)
+    labels = {name: f"{m.upper()} p{int(q * 100)}" for name, m, q, _ in LATENCY_METRICS}
+    labels[THROUGHPUT] = "time per output token"
+    labels[WORK_METRIC] = "step own time"
+
+    def explain(name: str) -> list[dict]:
+        """The findings of one metric's change (where it went, layer by layer, and why)."""
+        if name == GOODPUT:
+            return goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
+        if name == WORK_METRIC:
+            return [work_finding(metrics[WORK_METRIC])]
+        return metric_findings(name, attribution[name], causes, metrics[name], labels[name])
+
+    holm(metrics, rule)
+    findings = [f for name in metrics if metrics[name]["significant"] or name in attribute for f in explain(name)]
+    verdict = "workload_changed" if workload_changed else headline(metrics)
+    verdict, findings, inconclusive, could = _settle(verdict, metrics, findings, a, b, cdiff, env, causes, work,
+                                                     rule, bool(attribute))
+    against = against_improvement(metrics, rule, higher_is_worse) if verdict == "improvement" else []
+    if against:  # better on one metric, worse on another at 95 %: a trade-off, not an improvement
+        verdict = "mixed"
+        for name in against:
+            metrics[name]["against"] = True
+            if name not in attribute:  # attributed already
+                findings += explain(name)
+    if verdict == "workload_changed":
+        findings = _with_workload_finding(findings, metrics, wdiff)
+    findings = order_findings(findings, metrics, verdict)
+    diagnosis, cdiff = _diagnosis(a, b, verdict, metrics, findings, cdiff, wdiff, env, inconclusive, could, attribute)
+    return Comparison(diagnosis, attribution, cdiff, wdiff, the_slo, a, b)
+
+
+def _diagnosis(a: RunAnalysis, b: RunAnalysis, verdict: str, metrics: dict, findings: list[dict],
+               cdiff: pd.DataFrame, wdiff: pd.DataFrame, env: dict, inconclusive: dict | None, could: str | None,
+               attribute) -> tuple[dict, pd.DataFrame]:
+    """The ``layerscope.diagnosis/1`` object (DESIGN.md), and the config diff marked consistent with the findings."""
+    changed_layers = {f["layer"] for f in findings} | {lyr for f in findings for lyr in f.pop("_measured")}
+    cdiff = mark_consistency(cdiff, changed_layers if verdict != "no_change" else set())
+    for f in findings:
+        f["config_changes"] = [change_text(r) for r in cdiff.to_dict("records") if can_move(r["layer"], {f["layer"]})]
+    primary = headline_primary(findings, verdict, metrics)
+    if verdict == "inconclusive" and inconclusive and inconclusive.get("layer"):
+        primary = {"metric": inconclusive["metric"], "layer": inconclusive["layer"]}
+    diagnosis = {
+        "schema": SCHEMA,
+        "baseline": a.name,
+        "candidate": b.name,
+        "verdict": verdict,
+        "metrics": {k: _clean(v) for k, v in metrics.items()},
+        "findings": findings if verdict != "no_change" else [f for f in findings if f["metric"] in attribute],
+        **({"inconclusive": {k: _num(v) for k, v in inconclusive.items()}} if inconclusive else {}),
+        **({"could_not_see": could} if could else {}),
+        "primary": primary,
+        "config_diff": diff_records(cdiff),
+        "workload_diff": [{k: _num(v) for k, v in r.items()} for r in wdiff.to_dict("records")],
+        "machine": machine_json(env),
+    }
+    return diagnosis, cdiff
+
+
+def _latency_metrics(a: RunAnalysis, b: RunAnalysis, rule: Rule, saturated: bool) -> dict[str, dict]:
+    """Each LATENCY_METRICS row compared (stats.compare_quantile), paired where both runs served the same requests."""
+    metrics: dict[str, dict] = {}
+    pairs = _pairs(a.ok, b.ok)
     for name, m, q, kind in LATENCY_METRICS:
         run_se = rule.pair_run_se(name, kind, saturated)
         if pairs is not None:
@@ -135,10 +211,11 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         else:
             metrics[name] = compare_quantile(a.ok[f"{m}_s"].to_numpy(), b.ok[f"{m}_s"].to_numpy(), q, kind, rule,
                                              metric=name, run_se=run_se)
-    metrics[THROUGHPUT] = _throughput(a, b, rule, saturated)
-    good_a, good_b = meets_slo(a.ok, the_slo), meets_slo(b.ok, the_slo)  # a.ok is in arrival order
-    metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule, saturated)
+    return metrics
 
+
+def _attribution(a: RunAnalysis, b: RunAnalysis) -> dict[str, pd.DataFrame]:
+    """Per metric, the layers' deltas (quantile_components; for throughput, seconds per output token by phase)."""
     attribution: dict[str, pd.DataFrame] = {}
     for name, m, q, _ in LATENCY_METRICS:
         attribution[name] = quantile_components(a.components(m), b.components(m), m, q)
@@ -149,62 +226,41 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     comp.loc[len(comp)] = ["residual", 0.0, 0.0, 0.0]
     comp["share"] = comp["delta_s"] / d if d else math.nan
     attribution[THROUGHPUT] = comp
-    labels = {name: f"{m.upper()} p{int(q * 100)}" for name, m, q, _ in LATENCY_METRICS}
-    labels[THROUGHPUT] = "time per output token"
+    return attribution
 
-    def explain(name: str) -> list[dict]:
-        """The findings of one metric's change (where it went, layer by layer, and why)."""
-        if name == GOODPUT:
-            return _goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
-        return _findings(name, attribution[name], causes, metrics[name], labels[name])
 
-    findings = [f for name in metrics if metrics[name]["significant"] or name in attribute for f in explain(name)]
-    verdict = _verdict(metrics, workload_changed)
-    same = same_software(a.run.manifest, b.run.manifest, cdiff) if verdict in ("regression", "improvement") else None
+def _settle(verdict: str, metrics: dict, findings: list[dict], a: RunAnalysis, b: RunAnalysis, cdiff: pd.DataFrame,
+            env: dict, causes: Causes, work: dict | None, rule: Rule, interleaved: bool):
+    """The verdict once the software and the machine are weighed: (verdict, findings, inconclusive, could_not_see)."""
+    inconclusive, could = None, None
+    same = same_software(a.run.manifest, b.run.manifest, cdiff) if verdict in DIRECTIONAL else None
     if same:  # nothing of the software differs: no software layer can be the cause
         verdict, findings = same_software_verdict(metrics, findings, env, causes, same)
-    elif verdict in ("regression", "improvement") and machine_relevant(env):
+    elif verdict in DIRECTIONAL and machine_relevant(env):
         # regress (``attribute``) established the change over interleaved repetitions: a machine that
         # varied hit both versions alike there, so only a machine that differed explains it
-        verdict, findings = machine_verdict(verdict, metrics, findings, env, causes, cdiff,
-                                            interleaved=bool(attribute))
-    against = against_improvement(metrics, rule, higher_is_worse) if verdict == "improvement" else []
-    if against:  # better on one metric, worse on another: a trade-off, not an improvement
-        verdict = "mixed"
-        for name in against:
-            metrics[name]["against"] = True
-            if name not in attribute:  # attributed already
-                findings += explain(name)
-    if verdict == "workload_changed":
-        wf = _workload_finding(metrics, wdiff)
-        same = [f for f in findings if f["layer"] == "workload" and f["metric"] == wf["metric"]]
-        if same:  # the accounting already blamed the workload for this metric: add the diff as evidence
-            same[0]["evidence"] = wf["evidence"] + same[0]["evidence"]
-            same[0]["_score"] = math.inf
+        verdict, findings, inconclusive = machine_verdict(verdict, metrics, findings, env, causes, cdiff,
+                                                          interleaved=interleaved, work=work, rule=rule)
+    elif verdict == "no_change" and machine_relevant(env):  # a busier baseline goes through the same check
+        inconclusive = hidden_change(metrics, env, causes, work, rule)
+        if inconclusive is not None:
+            verdict = "inconclusive"
+            findings = [inconclusive.pop("finding")] + findings
         else:
-            findings.insert(0, wf)
-    findings = order_findings(findings, metrics, verdict)
-    changed_layers = {f["layer"] for f in findings} | {lyr for f in findings for lyr in f.pop("_measured")}
-    cdiff = mark_consistency(cdiff, changed_layers if verdict != "no_change" else set())
-    for f in findings:
-        f["config_changes"] = [change_text(r) for r in cdiff.to_dict("records") if can_move(r["layer"], {f["layer"]})]
-    primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
-               else None)
-    if primary is not None and findings[0].get("alternatives"):  # can't tell: the layer both share, both named
-        primary["alternatives"] = [a["layer"] for a in findings[0]["alternatives"]]
-    diagnosis = {
-        "schema": SCHEMA,
-        "baseline": a.name,
-        "candidate": b.name,
-        "verdict": verdict,
-        "metrics": {k: _clean(v) for k, v in metrics.items()},
-        "findings": findings if verdict != "no_change" else [f for f in findings if f["metric"] in attribute],
-        "primary": primary,
-        "config_diff": diff_records(cdiff),
-        "workload_diff": [{k: _num(v) for k, v in r.items()} for r in wdiff.to_dict("records")],
-        "machine": machine_json(env),
-    }
-    return Comparison(diagnosis, attribution, cdiff, wdiff, the_slo, a, b)
+            could = could_not_see(metrics, env, causes, work, rule)
+    return verdict, findings, inconclusive, could
+
+
+def _with_workload_finding(findings: list[dict], metrics: dict, wdiff: pd.DataFrame) -> list[dict]:
+    """The workload diff as the finding to name (or as evidence of the workload finding already there)."""
+    wf = workload_finding(metrics, wdiff)
+    same = [f for f in findings if f["layer"] == "workload" and f["metric"] == wf["metric"]]
+    if same:  # the accounting already blamed the workload for this metric: add the diff as evidence
+        same[0]["evidence"] = wf["evidence"] + same[0]["evidence"]
+        same[0]["_score"] = math.inf
+    else:
+        findings.insert(0, wf)
+    return findings
 
 
 def _pairs(a: pd.DataFrame, b: pd.DataFrame) -> tuple[np.ndarray, np.ndarray] | None:
@@ -317,115 +373,20 @@ def _headline(r: dict, ha: float, hb: float, rule: Rule) -> dict:
     return r
 
 
-def _findings(name: str, comp: pd.DataFrame, causes: Causes, metric: dict, label: str) -> list[dict]:
-    total = float(comp["delta_s"].sum())
-    sign = 1.0 if total >= 0 else -1.0
-    merged: dict[str, dict] = {}
-    for row in comp.itertuples():
-        if row.layer == "residual" or row.delta_s == 0 or math.isnan(row.delta_s):
-            continue
-        if row.delta_s * sign > 0:
-            parts = causes.explain(row.layer, row.delta_s, name)
-        else:
-            parts = [Part(row.layer if row.layer != "idle" else "workload", row.delta_s,
-                          "moved the other way (offsets part of the change)")]
-        for p in parts:
-            f = merged.setdefault(p.layer, {"delta_s": 0.0, "parts": [], "measured": set()})
-            f["delta_s"] += p.delta_s
-            f["parts"].append(p)
-            f["measured"].add(row.layer)
-            meas = f"measured in {row.layer}: {'+' if row.delta_s >= 0 else ''}{ms(row.delta_s)} at {label}"
-            if p.layer != row.layer or len(parts) > 1:
-                meas += f" (this cause: {'+' if p.delta_s >= 0 else ''}{ms(p.delta_s)})"
-            p.evidence = [meas] + p.evidence
-    out = []
-    for layer, f in merged.items():
-        share = f["delta_s"] / total if total else math.nan
-        if abs(share) < MIN_SHARE:
-            continue
-        main = max(f["parts"], key=lambda p: abs(p.delta_s))
-        cause = main.cause if main.delta_s >= 0 or main.cause.startswith("moved the other way") else _faster(main.cause)
-        evidence: list[str] = []
-        for p in sorted(f["parts"], key=lambda p: -abs(p.delta_s)):
-            evidence += [e for e in p.evidence if e not in evidence]
-        alts = [dict(a, cause=_faster(a["cause"]) if main.delta_s < 0 else a["cause"]) for a in main.alternatives]
-        out.append({"metric": name, "layer": layer, "share": round(share, 4), "delta_s": f["delta_s"],
-                    "cause": cause, "evidence": evidence, "config_changes": [], "alternatives": alts,
-                    "_score": abs(metric["delta_pct"]) * share * (1.0 if metric["worse"] else 0.01),
-                    "_measured": sorted(f["measured"])})
-    return out
-
-
-_FASTER = {"got slower": "got faster", "grew": "shrank", "longer": "shorter", "slower": "faster",
-           "more requests": "fewer requests", "larger batches": "smaller batches", "more tokens": "fewer tokens",
-           "fewer tokens each": "more tokens each", "more often": "less often", "more steps": "fewer steps",
-           "exhausted": "relieved", "dropped": "rose", "busier": "quieter", "more of each prompt": "less of each prompt"}
-_FASTER_RE = re.compile("|".join(re.escape(k) for k in sorted(_FASTER, key=len, reverse=True)))
-
-
-def _faster(cause: str) -> str:
-    """The cause text of a part that made the metric better (same rule, other direction), in one pass."""
-    return _FASTER_RE.sub(lambda m: _FASTER[m.group(0)], cause)
-
-
-def _goodput_findings(a: RunAnalysis, b: RunAnalysis, slo: dict, causes: Causes, metric: dict) -> list[dict]:
-    """Goodput is attributed through the SLO whose violations grew most, at that metric's p90."""
-    worst, grow = None, -1.0
-    for key, limit in slo.items():
-        va = a.ok[key].dropna()
-        vb = b.ok[key].dropna()
-        if not len(va) or not len(vb):
-            continue
-        g = float((vb > limit).mean() - (va > limit).mean())
-        if abs(g) > grow:
-            worst, grow = key, abs(g)
-    if worst is None:
-        return []
-    m = worst[:-2]
-    comp = quantile_components(a.components(m), b.components(m), m, 0.9)
-    fs = _findings(GOODPUT, comp, causes, metric, f"{m.upper()} p90")
-    for f in fs:
-        f["evidence"].insert(0, f"requests over the {m.upper()} SLO ({ms(slo[worst])}): "
-                                f"{(a.ok[worst] > slo[worst]).mean():.0%} -> {(b.ok[worst] > slo[worst]).mean():.0%}")
-    return fs
-
-
 def order_findings(findings: list[dict], metrics: dict, verdict: str) -> list[dict]:
-    """Findings by score (popped), highest first; under a ``regression`` verdict the findings of
-    metrics that got worse come first, so that the primary finding explains the regression: a
-    config change that made TPOT much better and TTFT worse (max_num_seqs 64 -> 1 under a burst)
-    is a regression of TTFT, not "output processing got faster"."""
-    out = sorted(findings, key=lambda f: -f.pop("_score"))
-    if verdict == "regression":
-        out.sort(key=lambda f: not (metrics.get(f["metric"]) or {}).get("worse", False))  # stable
-    elif verdict == "mixed":  # what got worse leads: the cost of the trade-off
-        out.sort(key=lambda f: not (metrics.get(f["metric"]) or {}).get("against", False))
+    """Findings in the headline's order (headline.order_by_direction: those explaining a change in the
+    verdict's direction first, largest first), the rest by score (popped). Under a ``regression`` a
+    config change that made TPOT much better and TTFT worse (max_num_seqs 64 -> 1 under a burst) is
+    explained by the TTFT finding, not "output processing got faster"."""
+    out = sorted(findings, key=lambda f: -f["_score"])
+    for f in out:
+        sc = f.pop("_score")
+        if 1e9 <= sc < math.inf:  # machine_verdict's software change that stands out
+            f["_pinned"] = True
+    out = order_by_direction(out, metrics, verdict)
+    for f in out:
+        f.pop("_pinned", None)
     return out
-
-
-def _verdict(metrics: dict, workload_changed: bool) -> str:
-    if workload_changed:
-        return "workload_changed"
-    if any(m["worse"] for m in metrics.values()):
-        return "regression"
-    if any(m["significant"] for m in metrics.values()):
-        return "improvement"
-    return "no_change"
-
-
-def _workload_finding(metrics: dict, wdiff: pd.DataFrame) -> dict:
-    sig = [(k, v) for k, v in metrics.items() if v["significant"]] or list(metrics.items())[:1]
-    name, m = max(sig, key=lambda kv: abs(kv[1]["delta_pct"] or 0))
-    mat = wdiff[wdiff["material"]]
-    ev = [f"{r.feature} {_fmt(r.baseline)} -> {_fmt(r.candidate)}"
-          + (f" ({r.delta_pct:+.0f}%)" if isinstance(r.delta_pct, float) and not math.isnan(r.delta_pct) else "")
-          for r in mat.itertuples()]
-    d = (m["candidate"] - m["baseline"]) if m["candidate"] is not None else math.nan
-    return {"metric": name, "layer": "workload", "share": 1.0, "delta_s": d if name.endswith("_s") else math.nan,
-            "cause": "the offered load changed between the runs; layer shares below describe the mechanics, not "
-                     "a regression of the system", "evidence": ev, "config_changes": [], "alternatives": [],
-            "_score": math.inf,
-            "_measured": []}
 
 
 def _fmt(v: Any) -> str:

@@ -14,6 +14,7 @@ from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import ms, pct
 from layerscope.diagnose import decompose
 from layerscope.diagnose.decompose import col
+from layerscope.diagnose.server_rules import SERVER_RULES, ServerState
 
 KV_EXHAUSTED_FRAC = 0.05
 PREEMPTIONS_PER_REQUEST = 0.02
@@ -157,9 +158,31 @@ def host_bound(a: RunAnalysis) -> Finding | None:
                f"output {ms(i['output_s_mean'])}, forward {ms(i['forward_s_mean'])}"])
 
 
+def server_state(a: RunAnalysis) -> ServerState:
+    """What our engine's steps and requests show as ``server_rules`` reads a server (the largest
+    sample of waiting and running requests, mean TTFT, E2E and engine queue time per request)."""
+    st, ok = a.run.steps, a.ok
+    mx = lambda c: float(st[c].max()) if c in st and len(st) and st[c].notna().any() else None  # noqa: E731
+    mean = lambda c: float(ok[c].mean()) if c in ok and ok[c].notna().any() else None  # noqa: E731
+    return ServerState(waiting_max=mx("num_waiting"), running_max=mx("num_running"), ttft_s=mean("ttft_s"),
+                       e2e_s=mean("e2e_s"), queue_s=mean(col("ttft", "engine.queue")),
+                       num_requests=float(len(ok)), max_num_seqs=a.cfg("max_num_seqs"))
+
+
+def overload(a: RunAnalysis) -> Finding | None:
+    """The overload rule of ``server_rules.SERVER_RULES``, the one external engines are read with."""
+    st = server_state(a)
+    rule = next(r for r in SERVER_RULES if r.name == "overload")
+    if not rule.when(st):
+        return None
+    f = rule.explain(st)
+    return _f("overload", f["layer"], min(1.0, (st.queue_s or 0) / st.ttft_s) if st.ttft_s else 0.0, f["message"],
+              f["evidence"])
+
+
 DETECTORS: tuple[Callable[[RunAnalysis], Finding | None], ...] = (
     kv_pressure, admission_capped, prefill_decode_balance, prefix_cache, router_imbalance, launch_gap_bound,
-    collective_skew, host_bound,
+    collective_skew, host_bound, overload,
 )
 
 

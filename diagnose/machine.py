@@ -38,6 +38,9 @@ import numpy as np
 import pandas as pd
 
 from layerscope.diagnose.config_diff import can_move
+from layerscope.diagnose.rules import FRONT_LAYERS, GATEWAY_LAYERS, HARDWARE, ROUTE
+from layerscope.diagnose.rules import MACHINE_LAYERS as _MACHINE_LAYERS
+from layerscope.diagnose.rules import within as _within
 from layerscope.diagnose.stats import mann_whitney_p
 
 MIN_CORES = 0.25  # a material contention difference: at least this many cores ...
@@ -134,21 +137,7 @@ def machine_diff(a, b) -> dict[str, Any]:
         out["evidence"].append(f"the gateway and client's process waited for a CPU {fa:.0%} -> {fb:.0%} of the "
                                "time it was runnable")
     ya, yb = _yardstick(sa), _yardstick(sb)
-    if len(ya) >= 2 and len(yb) >= 2:
-        ra, rb = float(np.median(ya)), float(np.median(yb))
-        ratio = rb / ra if ra > 0 else math.nan
-        p = mann_whitney_p(np.array(ya), np.array(yb))
-        out.update(yardstick_s=[ra, rb], yardstick_ratio=ratio, yardstick_p_value=p)
-        if (ratio >= SPEED_RATIO or ratio <= 1 / SPEED_RATIO) and p < SPEED_P:
-            out["speed_changed"] = True
-            slower = "candidate" if ratio > 1 else "baseline"
-            votes.append(slower)
-            out["evidence"].append(f"the fixed yardstick took {_ms(ra)} -> {_ms(rb)} (x{ratio:.2f}, "
-                                   f"p={p:.2g}): the {slower} ran on the slower machine")
-        else:
-            same = abs(math.log(ratio)) < math.log(SPEED_RATIO) if ratio > 0 else True
-            out["evidence"].append(f"the fixed yardstick took {_ms(ra)} -> {_ms(rb)} (x{ratio:.2f}, p={p:.2g}): "
-                                   + ("same speed" if same else "not a significant difference"))
+    _speed(out, ya, yb, votes)
     ga, gb = out["gpu_other_procs"]
     if ga is not None and gb is not None and (ga > 0) != (gb > 0):
         busier = "candidate" if gb > ga else "baseline"
@@ -166,6 +155,26 @@ def machine_diff(a, b) -> dict[str, Any]:
     if out["busier"] is None and not votes and "yardstick_ratio" in out and abs(math.log(out["yardstick_ratio"])) > 0:
         out["leaning"] = "candidate" if out["yardstick_ratio"] > 1 else "baseline"  # not significant
     return out
+
+
+def _speed(out: dict[str, Any], ya: list[float], yb: list[float], votes: list[str]) -> None:
+    """The yardstick's timings of both runs compared (speed_changed, yardstick_s/_ratio/_p_value), in ``out``;
+    the slower run's side appended to ``votes``."""
+    if len(ya) >= 2 and len(yb) >= 2:
+        ra, rb = float(np.median(ya)), float(np.median(yb))
+        ratio = rb / ra if ra > 0 else math.nan
+        p = mann_whitney_p(np.array(ya), np.array(yb))
+        out.update(yardstick_s=[ra, rb], yardstick_ratio=ratio, yardstick_p_value=p)
+        if (ratio >= SPEED_RATIO or ratio <= 1 / SPEED_RATIO) and p < SPEED_P:
+            out["speed_changed"] = True
+            slower = "candidate" if ratio > 1 else "baseline"
+            votes.append(slower)
+            out["evidence"].append(f"the fixed yardstick took {_ms(ra)} -> {_ms(rb)} (x{ratio:.2f}, "
+                                   f"p={p:.2g}): the {slower} ran on the slower machine")
+        else:
+            same = abs(math.log(ratio)) < math.log(SPEED_RATIO) if ratio > 0 else True
+            out["evidence"].append(f"the fixed yardstick took {_ms(ra)} -> {_ms(rb)} (x{ratio:.2f}, p={p:.2g}): "
+                                   + ("same speed" if same else "not a significant difference"))
 
 
 def machine_explains(metric: dict, higher_is_worse: bool, env: dict[str, Any], interleaved: bool = False) -> bool:
@@ -217,53 +226,27 @@ def _routing_moved(causes) -> str | None:
 
 
 def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, causes,
-                     cdiff: pd.DataFrame, interleaved: bool = False) -> tuple[str, list[dict]]:
+                     cdiff: pd.DataFrame, interleaved: bool = False, work: dict | None = None,
+                     rule=None) -> tuple[str, list[dict], dict | None]:
     """The runs' machines differed (machine.machine_diff). Changes in the direction the machine
     predicts become ``environment_changed`` with one ``hardware`` finding per metric, unless a
     software change stands out beyond what the machine explains: one step phase changed by a
     factor well beyond the others' (``Causes.standout_phase``), or a config key changed that
     can move the layer the cause rules named. Then the software finding stays, and the machine
-    difference is added to its evidence. ``interleaved``: see ``machine_explains``."""
+    difference is added to its evidence. Otherwise the contention measurements decide, metric by metric
+    (``contention.settle``): a software finding is kept with the machine's share beside it, a change they
+    cannot separate is ``inconclusive``, one they account for ``environment_changed``.
+    ``interleaved``: see ``machine_explains``. Returns (verdict, findings, inconclusive or None).
+    ``work``: ``work.work_change`` of the runs (None without the steps' work columns)."""
     sig = [n for n, m in metrics.items() if m["significant"]]
     explained = [n for n in sig if machine_explains(metrics[n], higher_is_worse(n), env, interleaved)]
     note = ("the machine differed too: " if env.get("changed") else "the machine: ") + "; ".join(env["evidence"])
     if explained and not env.get("changed"):
-        # The machine's speed only varied (it did not differ between the runs): it reaches the
-        # latencies through slower steps. When a step at equal batch size took measurably *less*
-        # time in the slower run (or more in the faster one), the machine is ruled out: the
-        # requests waited for something else (routing, scheduling, admission). Steps that moved
-        # less than that leave it possible (a queue amplifies a brief slow spell), so it stays.
-        # A change that sits in the front end (the gateway and client's process, not the engine's)
-        # is judged by that process's own wait for a CPU, where it was recorded: the engine's steps
-        # say nothing of how much CPU another process got.
-        sr = causes.step_ratio()
-        front = {n: _front_contended(env, metrics[n]["worse"]) for n in explained
-                 if env.get("front_wait_share") and _front_located(findings, n)}
-
-        def still_possible(n: str) -> bool:
-            if n in front:
-                return front[n]
-            return math.isnan(sr) or (sr > 1 / STEP_NOISE if metrics[n]["worse"] else sr < STEP_NOISE)
-
-        kept = [n for n in explained if still_possible(n)]
-        if len(kept) < len(explained):
-            out_front = [n for n in explained if n in front and not front[n]]
-            out_steps = [n for n in explained if n not in kept and n not in front]
-            why = []
-            if out_steps:
-                why.append(f"a step at equal batch size took x{sr:.2f} the time in the candidate, the other way: "
-                           f"the machine does not explain {', '.join(out_steps)}")
-            if out_front:
-                fa, fb = env["front_wait_share"]
-                why.append(f"the change sits in the front end, whose process waited for a CPU {fa:.0%} -> "
-                           f"{fb:.0%} of its runnable time, not more in the slower run: the machine does not "
-                           f"explain {', '.join(out_front)}")
-            note = "the machine's speed varied while the runs were recorded, but " + "; ".join(why) + "; " + note
-        explained = kept
+        explained, note = _only_varied(explained, metrics, findings, env, causes, note)
     if not explained:
         for f in findings:
             f["evidence"].append(note)
-        return verdict, findings
+        return verdict, findings, None
     # a phase stands out when it moved beyond the other phases by more than the machine's own speed
     # range (the yardstick's slowest/fastest): multi-threaded phases suffer more from contention
     rng = env.get("machine_range")
@@ -271,12 +254,12 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     worse = metrics[explained[0]]["worse"]  # explained metrics are significant: "worse" is their direction
     standout = causes.standout_phase(worse, factor=factor) or (
         None if _front_contended(env, worse) else _standout_front(causes, findings, worse, factor))
-    software = [f for f in findings if f["layer"] != "hardware"]
+    software = [f for f in findings if f["layer"] != HARDWARE]
     top = max(software, key=lambda f: f["_score"]) if software else None
     keyed = cdiff[cdiff["kind"].isin(["config", "resolved"])] if len(cdiff) else cdiff
     config_layers = [r.layer for r in keyed.itertuples() if isinstance(r.layer, str)]
     config_move = top is not None and any(can_move(k, {top["layer"]}) for k in config_layers)
-    routed = _routing_moved(causes) if any(f["layer"] == "gateway.route" for f in software) else None
+    routed = _routing_moved(causes) if any(f["layer"] == ROUTE for f in software) else None
     if standout is not None or config_move or routed:
         why = (f"{standout['phase']} per {'step' if standout['phase'].startswith(('engine', 'model', 'parallel')) else 'request'}"
                f" x{standout['ratio']:.2f} while the other phases moved x{standout['others']:.2f}, beyond the "
@@ -289,7 +272,7 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
             own_config = any(can_move(k, {f["layer"]}) for k in config_layers)
             if standout is not None and f["layer"] in _MACHINE_LAYERS and f["layer"] not in _within(standout["phase"]) and (
                     f["metric"] in explained) and not own_config:  # the machine's share of the change, not the software's
-                hw = next((h for h in out if h["metric"] == f["metric"] and h["layer"] == "hardware"), None)
+                hw = next((h for h in out if h["metric"] == f["metric"] and h["layer"] == HARDWARE), None)
                 if hw is None:
                     hw = {**f, "layer": "hardware", "share": 0.0, "delta_s": 0.0, "_score": 0.0,
                           "cause": "the machine differed between the runs: this part of the change is the busier "
@@ -309,9 +292,51 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
                 # between the standout phase and a config change's layer, the larger share is named)
                 f["_score"] += 1e9  # the software change is the finding to name, whatever the machine's share
             out.append(f)
-        return verdict, out
-    kept = [f for f in findings if f["metric"] not in explained]
-    return "environment_changed", _hardware_findings(explained, metrics, findings, env, causes) + kept
+        return verdict, out, None
+    from layerscope.diagnose.contention import settle
+    from layerscope.diagnose.stats import DEFAULT_RULE
+
+    return settle(verdict, metrics, findings, env, causes, explained, work,
+                  lambda names: _hardware_findings(names, metrics, findings, env, causes), rule or DEFAULT_RULE)
+
+
+def _only_varied(explained: list[str], metrics: dict, findings: list[dict], env: dict, causes,
+                 note: str) -> tuple[list[str], str]:
+    """The metrics a machine whose speed only varied (it did not differ between the runs) can still explain,
+    and the note saying why the others are ruled out."""
+    # The machine's speed only varied (it did not differ between the runs): it reaches the
+    # latencies through slower steps. When a step at equal batch size took measurably *less*
+    # time in the slower run (or more in the faster one), the machine is ruled out: the
+    # requests waited for something else (routing, scheduling, admission). Steps that moved
+    # less than that leave it possible (a queue amplifies a brief slow spell), so it stays.
+    # A change that sits in the front end (the gateway and client's process, not the engine's)
+    # is judged by that process's own wait for a CPU, where it was recorded: the engine's steps
+    # say nothing of how much CPU another process got.
+    sr = causes.step_ratio()
+    front = {n: _front_contended(env, metrics[n]["worse"]) for n in explained
+             if env.get("front_wait_share") and _front_located(findings, n)}
+
+    def still_possible(n: str) -> bool:
+        if n in front:
+            return front[n]
+        return math.isnan(sr) or (sr > 1 / STEP_NOISE if metrics[n]["worse"] else sr < STEP_NOISE)
+
+    kept = [n for n in explained if still_possible(n)]
+    if len(kept) < len(explained):
+        out_front = [n for n in explained if n in front and not front[n]]
+        out_steps = [n for n in explained if n not in kept and n not in front]
+        why = []
+        if out_steps:
+            why.append(f"a step at equal batch size took x{sr:.2f} the time in the candidate, the other way: "
+                       f"the machine does not explain {', '.join(out_steps)}")
+        if out_front:
+            fa, fb = env["front_wait_share"]
+            why.append(f"the change sits in the front end, whose process waited for a CPU {fa:.0%} -> "
+                       f"{fb:.0%} of its runnable time, not more in the slower run: the machine does not "
+                       f"explain {', '.join(out_front)}")
+        note = "the machine's speed varied while the runs were recorded, but " + "; ".join(why) + "; " + note
+    explained = kept
+    return kept, note
 
 
 def same_software_verdict(metrics: dict, findings: list[dict], env: dict, causes, same: str) -> tuple[str, list[dict]]:
@@ -362,20 +387,6 @@ def _hardware_findings(names: list[str], metrics: dict, findings: list[dict], en
     return hw
 
 
-# layers a busier or slower machine moves (every step phase, and the queues they feed)
-_MACHINE_LAYERS = {"engine.schedule", "model.forward", "engine.output", "parallel.collective", "kernel.compute",
-                   "kernel.launch_gap", "engine.queue", "hardware"}
-
-
-def _within(phase: str) -> set[str]:
-    """The layers whose time a step phase holds: the cause rules may name a finer layer (the kernels,
-    the launch gaps, the collectives of the forward) than the phase that stood out."""
-    return {phase, "kernel.compute", "kernel.launch_gap", "parallel.collective"} if phase == "model.forward" else {phase}
-
-
-FRONT_LAYERS = ("client", "gateway.queue", "gateway.route")  # time spent in the gateway and client's process
-
-
 def _front_located(findings: list[dict], metric: str) -> bool:
     """The finding that explains most of ``metric``'s change is in the front end."""
     own = [f for f in findings if f["metric"] == metric and (f["share"] or 0) > 0]
@@ -400,7 +411,7 @@ def _standout_front(causes, findings: list[dict], worse: bool, factor: float) ->
     from layerscope.diagnose.decompose import col
 
     for f in findings:
-        if f["layer"] not in ("gateway.queue", "gateway.route") or not abs(f["share"] or 0) >= 0.3:
+        if f["layer"] not in GATEWAY_LAYERS or not abs(f["share"] or 0) >= 0.3:
             continue
         c = col("ttft", f["layer"])
         a, b = float(causes.a.ok[c].median()), float(causes.b.ok[c].median())

@@ -52,7 +52,11 @@ def _sig_text(m: dict) -> str:
     if m.get("ci_pct") is None:
         return "n/a (too few samples)"
     lo, hi = m["ci_pct"]
-    ci = f"95% CI {lo:+.0f}..{hi:+.0f}%"
+    if m.get("ci_total_pct"):  # the interval with the run-to-run spread, and the within-run one beside it
+        tlo, thi = m["ci_total_pct"]
+        ci = f"95% CI {tlo:+.0f}..{thi:+.0f}% (within-run {lo:+.0f}..{hi:+.0f}%)"
+    else:
+        ci = f"95% CI within-run {lo:+.0f}..{hi:+.0f}%"
     if m.get("mde_pct") is not None:
         mde = m["mde_pct"]  # the rise it could see, and the fall the same power sees on the ratio scale
         ci += f"; could see +{mde:.0f}%/-{mirrored_fall_pct(mde):.0f}%"
@@ -61,6 +65,8 @@ def _sig_text(m: dict) -> str:
         return f"yes ({p}{ci})"
     if m.get("against"):  # a mixed verdict's other side: worse at 95 %, under the gate
         return f"worse at 95% only ({ci})"
+    if m.get("holm_rejected"):
+        return f"no: not beyond the family-wise level p<={m['holm_alpha']:.2g} (p={m['p_family']:.1g}; {ci})"
     return f"no ({ci})"
 
 
@@ -122,9 +128,11 @@ def comparison_lines(d: dict[str, Any], attribution: dict | None = None) -> list
         ("title", f"candidate {d['candidate']} vs baseline {d['baseline']}        {nc} vs {nb} requests, "
                   f"{'same workload (checked)' if same else 'WORKLOAD CHANGED'}"),
         ("verdict", d["verdict"].upper().replace("_", " ")),
-        *([("text", "one metric got significantly better while another got worse (its 95% interval wholly on "
-                    "the worse side, under the gate): a trade-off, not an improvement")]
+        *([("text", "some metrics got significantly better and others worse (significant, or for a metric "
+                    "under the gate its 95% interval wholly on the worse side): a trade-off")]
           if d["verdict"] == "mixed" else []),
+        *([("text", d["inconclusive"]["text"])] if d.get("inconclusive") else []),
+        *([("text", d["could_not_see"])] if d.get("could_not_see") else []),
         ("table", (["metric", "baseline", "candidate", "change", "significance"],
                    [[METRIC_LABELS.get(k, k), fmt_metric(k, v["baseline"]), fmt_metric(k, v["candidate"]),
                      fmt_pct(v["delta_pct"], True), _sig_text(v)] for k, v in m.items()])),
@@ -147,7 +155,7 @@ def comparison_lines(d: dict[str, Any], attribution: dict | None = None) -> list
             for alt in f.get("alternatives") or []:
                 blocks.append(("text", f"  can't tell: {alt['layer']} ({alt['cause']}) - {alt['reason']}"))
     mach = d.get("machine") or {}
-    if mach.get("recorded") and (mach.get("changed") or d["verdict"] == "environment_changed"):
+    if mach.get("recorded") and (mach.get("changed") or d["verdict"] in ("environment_changed", "inconclusive")):
         blocks.append(("heading", "the machine"))
         for e in mach.get("evidence") or []:
             blocks.append(("text", e))

@@ -49,51 +49,18 @@ from typing import Sequence
 
 import numpy as np
 
-# Prior run-to-run spread (relative SD between identical runs) of each metric, used when
-# a comparison has no repetitions to measure it from (one run a side). Sized on the A/A
-# pairs of the fault matrix on this project's 2-core machine with other jobs running
-# (docs/diagnose.md §8: whole runs moved by up to ~20% on medians, i.e. SD ~10%); TPOT
-# and throughput move less than queue-driven TTFT. With repetitions (regress) the spread
-# is measured instead (regressions.pooled), and a machine whose speed varied during the
-# runs is caught by its own evidence (diagnose.machine), not by these figures. TPOT p50 was
-# 5% until re-measured on a quiet machine (docs/diagnose.md §2.5: 7.5% and 10.8% run to run
-# over 8 + 8 and 12 + 12 chat runs of the tiny model).
-# Keys: metric names, then kinds as the fallback.
-RUN_SPREAD = {
-    "ttft_p50_s": 0.10, "ttft_p99_s": 0.20, "tpot_p50_s": 0.08, "tpot_p99_s": 0.15, "e2e_p50_s": 0.08,
-    "output_tokens_per_s": 0.03, "goodput_requests_per_s": 0.03,
-    "p50": 0.10, "p90": 0.15, "p99": 0.20, "rate": 0.03,
-}
+from layerscope.diagnose import priors as _priors
 
-# Saturated runs (a burst, or load beyond capacity: busy for over twice the arrival span) spread
-# more from run to run: every request's latency hangs on one queueing pattern, and a burst's
-# busy interval is short. Measured on 10 + 10 runs of a 96-request burst on the tiny model on a
-# quiet 2-core machine (docs/diagnose.md §2.4: aa_check power, --rate 0): one A/A pair of them
-# came out a TPOT p50 "regression" (+23%) with the chat priors above.
-RUN_SPREAD_SATURATED = {
-    "ttft_p50_s": 0.10, "ttft_p99_s": 0.13, "tpot_p50_s": 0.175, "tpot_p99_s": 0.13, "e2e_p50_s": 0.115,
-    "output_tokens_per_s": 0.12, "goodput_requests_per_s": 0.12,
-    "p50": 0.15, "p90": 0.15, "p99": 0.15, "rate": 0.12,
-}
-
-
-# External engines (vLLM, SGLang: bundles of ``bench --endpoint``/``import``) spread more from run to
-# run than our engine, and a config change means a server restart, which moves them further.
-# Measured on real vLLM 0.32 CPU serving the small llama here (tests/external/test_live_vllm.py's
-# sessions, 2026-12-01, a quiet machine; SD of the log of a run's value over 3 burst runs and 2
-# agentic runs per server, df 6 per set): bursts of 16 below capacity (two sessions): TTFT p50
-# 0.19, TTFT p99 0.25, TPOT p50 0.15, ITL p50 0.17, E2E p50 0.06, tokens/s 0.015; one burst of 48
-# at once, saturated (two sessions): TTFT p50 0.07, TTFT p99 0.09, TPOT p50 0.20, ITL p50 0.13,
-# E2E p50 0.14, tokens/s 0.11; between two starts of the same server TPOT p50 moved by 2x. The
-# priors are the larger of the two, rounded up for the restart (TPOT and ITL to the upper end of
-# their estimates: df 6, and a CI session's A/A pair moved TPOT p50 +87%, 9.0 -> 16.9 ms, with every
-# other metric within its floor): one pair of external runs calls a
-# TTFT p50 change from about +80% and a throughput change from about 45% (docs/external.md).
-RUN_SPREAD_EXTERNAL = {
-    "ttft_p50_s": 0.22, "ttft_p99_s": 0.25, "tpot_p50_s": 0.25, "tpot_p99_s": 0.30, "itl_p50_s": 0.20,
-    "e2e_p50_s": 0.17, "output_tokens_per_s": 0.13, "goodput_requests_per_s": 0.13,
-    "p50": 0.22, "p90": 0.25, "p99": 0.30, "rate": 0.13,
-}
+# Prior run-to-run spread (relative SD between identical runs) of each metric, used when a comparison
+# has no repetitions to measure it from (one run a side); with repetitions (regress) it is measured
+# instead (regressions.pooled). The values, where each was measured and on how many runs, are in
+# diagnose/priors.toml (docs/diagnose.md §2.9): [chat] below saturation; [saturated] for runs busy
+# for over twice their arrival span (a burst: every latency hangs on one queueing pattern), never
+# below [chat]; [external] for vLLM/SGLang bundles (a config change restarts the server). Keys:
+# metric names, then kinds as the fallback; ``step_s`` is a step's time at equal batch size.
+RUN_SPREAD = _priors.spreads("chat")
+RUN_SPREAD_SATURATED = _priors.spreads("saturated")
+RUN_SPREAD_EXTERNAL = _priors.spreads("external")
 
 
 @dataclass(frozen=True)
@@ -109,6 +76,8 @@ class Rule:
     # quantiles of more requests than this are bootstrapped on a thinning in arrival order of this
     # many (``thinning``); None: always all of them (O(num_boot * n) time and memory)
     max_boot_n: int | None = 20_000
+    # Holm's step-down over the metrics of one comparison (``holm``); False: each metric at ``alpha`` alone
+    family_wise: bool = True
 
     def spread(self, metric: str | None, kind: str, saturated: bool = False) -> float:
         """The prior run-to-run relative SD of ``metric`` (or of its kind); ``saturated``: of
@@ -550,3 +519,50 @@ def repetitions_needed(spread: float, target_pct: float, alpha: float = 0.05, po
         if (student_t_ppf(1 - alpha / 2, df) + student_t_ppf(power, df)) * spread * math.sqrt(2 / k) <= target:
             return k
     return None
+
+
+# ---- the family of metrics: Holm's step-down control, and the interval with the run-to-run spread ------
+def _standardized(rel: float, floor_pct: float, alpha: float) -> float:
+    """A relative change over its total SE (SE = floor / z(1 - alpha/2)), on the ratio scale of
+    ``beyond_floor``: a fall of f / (1 + f) weighs as a rise of f."""
+    se = floor_pct / 100 / z(1 - alpha / 2)
+    if not (math.isfinite(rel) and rel > -1 and se > 0):
+        return math.nan
+    return (rel if rel >= 0 else -rel / (1 + rel)) / se
+
+
+def total_ci(metric: dict, rule: Rule = DEFAULT_RULE) -> list[float] | None:
+    """The ``rule.confidence`` interval of a metric's relative change (percent) with the run-to-run
+    spread in it (the SE the floor is built from), on the ratio scale. The ``ci_pct`` a comparison
+    reports beside it is the within-run bootstrap's alone."""
+    d, floor = metric.get("delta_pct"), metric.get("floor_pct")
+    if d is None or floor is None or not (math.isfinite(d) and math.isfinite(floor)) or d <= -100:
+        return None
+    half = z(1 - (1 - rule.confidence) / 2) * floor / 100 / z(1 - rule.alpha / 2)
+    return [100 * ((1 + d / 100) * math.exp(-half) - 1), 100 * ((1 + d / 100) * math.exp(half) - 1)]
+
+
+def holm(metrics: dict[str, dict], rule: Rule = DEFAULT_RULE) -> None:
+    """Family-wise control over the metrics of one comparison (Holm's step-down at ``rule.alpha``), in
+    place. Each metric's p-value is that of its change against its total SE (within-run bootstrap and
+    run-to-run spread: the floor's), or its Mann-Whitney p where larger; sorted ascending, the i-th of m
+    keeps ``significant`` only if it and every smaller one are <= alpha / (m - i). Adds ``p_family``,
+    ``holm_alpha`` (the level it was held to), ``ci_total_pct`` and ``ci_kind``."""
+    ps: dict[str, float] = {}
+    for name, m in metrics.items():
+        m["ci_total_pct"] = m.get("ci_total_pct") or total_ci(m, rule)
+        m.setdefault("ci_kind", "within_run")
+        t = _standardized((m.get("delta_pct") or math.nan) / 100, m.get("floor_pct") or math.nan, rule.alpha)
+        if math.isfinite(t) and m.get("mde_pct") is not None:  # (a tail too thin to call is no test)
+            p = math.erfc(t / math.sqrt(2))
+            ps[name] = max(p, m["p_value"]) if isinstance(m.get("p_value"), float) else p
+    if not rule.family_wise:
+        return
+    passing = True
+    for i, (name, p) in enumerate(sorted(ps.items(), key=lambda kv: kv[1])):
+        level = rule.alpha / (len(ps) - i)
+        passing = passing and p <= level
+        m = metrics[name]
+        m.update(p_family=p, holm_alpha=level)
+        if not passing and m.get("significant"):
+            m.update(significant=False, worse=False, holm_rejected=True)

@@ -112,6 +112,11 @@ class SynthSpec:
     yardstick_s: float = 0.1  # the fixed yardstick's time (a slower machine: larger)
     yardstick_spike: float = 1.0  # the first timing after the load this many times slower (a slow spell)
     front_wait_share: float | None = None  # the gateway/client process's CPU wait share (None: unmeasured)
+    # per-step CPU and run-queue wait of the step loop (steps' cpu_ns, wait_ns, forward_cpu_ns,
+    # forward_wait_ns): False writes them null (an older bundle). A busier machine (``machine_slowdown``)
+    # shows as wait, more work (every other knob) as CPU time: the knob that tells them apart.
+    work_columns: bool = False
+    wait_share: float = 0.03  # the step loop's run-queue wait / wall on an unloaded machine
     # probes
     layer_timing_interval: int = 16
     profile_windows: int = 2  # kernel profiler windows of 4 steps each (0: none)
@@ -308,7 +313,11 @@ def _simulate(spec, reqs, replica, rng, run_factor, steps, layer_rows, kernel_ro
                     running.remove(r)
                     free += r["blocks"]
                     r["blocks"] = 0
+        # a busier machine stretches the step by waiting for a CPU: x machine_slowdown from the quiet share
+        # (no draw from ``rng``: the columns must not move any other timing of a bundle)
+        waited = max(0.0, 1 - (1 - spec.wait_share) / spec.machine_slowdown)
         steps.append(dict(step_id=step_id, replica=replica, start=t, end=end, schedule_s=schedule_s,
+                          wait_s=waited * step_s, forward_wait_s=waited * forward_s,
                           prepare_s=prepare_s, forward_s=forward_s, sample_s=sample_s, output_s=output_s,
                           step_s=step_s, num_prefill_seqs=p_seqs, num_prefill_tokens=p_tokens,
                           num_decode_seqs=n_seqs - p_seqs, num_decode_tokens=tokens - p_tokens,
@@ -420,6 +429,7 @@ def _tables(spec, reqs, steps, layer_rows, kernel_rows, coll_rows) -> dict[str, 
     st["start_ns"] = [_ns(s["start"]) for s in steps]
     st["end_ns"] = [_ns(s["end"]) for s in steps]
     steps_t = pa.Table.from_pydict(st, schema=schema.STEPS)
+    steps_t = _with_work(spec, steps, steps_t)
     kernel_rows = [(w, s, rep, n, c, ORIGIN_NS + t, d, g) for (w, s, rep, n, c, t, d, g) in kernel_rows]
     coll_rows = [(s, rep, rank, op, n, b, ORIGIN_NS + t, d, w) for (s, rep, rank, op, n, b, t, d, w) in coll_rows]
     spans = [(None, f"kv-{r['request_id']}-{i}", None, "preempted", "engine.kv", r["request_id"], _ns(p0), _ns(p1),
@@ -428,6 +438,26 @@ def _tables(spec, reqs, steps, layer_rows, kernel_rows, coll_rows) -> dict[str, 
     return {"requests": _with_components(requests, steps_t, spans_t), "steps": steps_t,
             "layers": _rows_table(schema.LAYER_TIMES, layer_rows), "kernels": _rows_table(schema.KERNELS, kernel_rows),
             "collectives": _rows_table(schema.COLLECTIVES, coll_rows), "spans": spans_t}
+
+
+WORK_COLUMNS = ("cpu_ns", "wait_ns", "forward_cpu_ns", "forward_wait_ns")
+
+
+def _with_work(spec: SynthSpec, steps: list[dict], table: pa.Table) -> pa.Table:
+    """``table`` with the step loop's CPU and wait columns (int64 ns; null unless ``spec.work_columns``),
+    set where the schema has them, appended where it does not yet."""
+    def ns(key: str, minus: str | None = None) -> pa.Array:
+        if not spec.work_columns:
+            return pa.nulls(len(steps), pa.int64())
+        vals = [s[key] - (s[minus] if minus else 0.0) for s in steps]
+        return pa.array([int(round(v * 1e9)) for v in vals], pa.int64())
+
+    cols = {"cpu_ns": ns("step_s", "wait_s"), "wait_ns": ns("wait_s"),
+            "forward_cpu_ns": ns("forward_s", "forward_wait_s"), "forward_wait_ns": ns("forward_wait_s")}
+    for name, arr in cols.items():
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, name, arr) if i >= 0 else table.append_column(name, arr)
+    return table
 
 
 def _with_components(requests: pa.Table, steps: pa.Table, spans: pa.Table) -> pa.Table:

@@ -19,7 +19,11 @@ from layerscope.regressions.versions import Version
 
 
 def analyse(result: RegressResult) -> None:
-    """Fill ``cells``, ``regressions``, ``config_diffs``, ``failures`` and ``exit_status``."""
+    """Fill ``cells``, ``regressions``, ``config_diffs``, ``failures`` and ``exit_status``.
+
+    The exit status follows the pooled gate alone: a diagnosis verdict never turns a gated regression
+    into a pass (``environment_changed`` or ``inconclusive`` of the representative pair stays beside the
+    regression, with the pair's plan), nor a pass into a regression."""
     from layerscope.regressions import pooled
 
     suite, base = result.suite, result.baseline
@@ -176,7 +180,11 @@ def _regression(v: Version, workload: str, config: str, metric: str, cell: dict,
             "candidate_value": g["candidate"], "delta_pct": g["delta_pct"], "ci_pct": g["ci_pct"],
             "threshold_pct": g["threshold_pct"], "layer": layer, "cause": f["cause"] if f else None,
             "config_changes": changes,
-            "evidence": f["evidence"][:4] if f else []}
+            "evidence": f["evidence"][:4] if f else [],
+            # the representative pair's own verdict: ``inconclusive`` (its machines differed and their
+            # measurements could not separate the change) keeps the gated regression, with the pair's plan
+            "diagnosis_verdict": d.get("verdict"),
+            "plan": (d.get("inconclusive") or {}).get("text")}
 
 
 def _config_diff(ok: list[PlannedRun], base: Version, v: Version) -> list[dict]:

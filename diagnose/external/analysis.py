@@ -19,9 +19,11 @@ import numpy as np
 from layerscope.diagnose.external import measures as ms
 from layerscope.diagnose.external.config import engine_diff
 from layerscope.diagnose.external.run import ExternalRun, load_external
+from layerscope.diagnose.headline import DIRECTIONAL, headline
+from layerscope.diagnose.server_rules import ServerState, pair_causes, server_findings
 from layerscope.diagnose.machine import higher_is_worse, machine_diff, machine_explains, machine_json, machine_relevant
 from layerscope.diagnose.stats import (EXTERNAL_RULE, Rule, against_improvement, beyond_floor, compare_quantile,
-                                      compare_rate, quantile, sensitivity)
+                                      compare_rate, holm, quantile, sensitivity)
 
 SCHEMA = "layerscope.diagnosis/1"
 REPORT_SCHEMA = "layerscope.external-report/1"
@@ -70,47 +72,24 @@ def summarize_external(run: ExternalRun | str | Path) -> dict[str, Any]:
             "findings": findings, "visibility": r.visibility()}
 
 
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.0f}%"
+def server_state(r: ExternalRun, split, kv, pc, bt) -> ServerState:
+    """What the server's metrics (and log lines) showed, as ``server_rules`` reads it."""
+    return ServerState(waiting_max=bt["waiting_max"], running_max=bt["running_max"], ttft_s=split["ttft_s"],
+                       e2e_s=split["e2e_s"], queue_s=split["queue_time_s"], frontend_s=split["frontend_output_s"],
+                       kv_usage_max=kv["usage_max"], kv_full_share=kv["full_share"], preemptions=kv["preemptions"],
+                       num_requests=split["e2e_count"] or len(r.ok) or None, prefix_hit_rate=pc["hit_rate"],
+                       shares_prefixes=bool(pc["workload_shares_prefixes"]), prefix_source=pc["source"],
+                       caching_enabled=pc["enabled"], max_num_seqs=bt["max_num_seqs"])
 
 
 def single_findings(r: ExternalRun, split, kv, pc, bt) -> list[dict[str, Any]]:
-    out = []
-    shares = split["shares_of_e2e"]
-    q = shares.get("engine.queue")
-    if q is not None and q >= 0.3:
-        ev = [f"queue {split['queue_time_s']:.3f} s of E2E {split['e2e_s']:.3f} s per request (mean, "
-              f"{split['queue_time_count']} requests)"]
-        layer = "engine.queue"
-        if bt["capped_share"]:
-            ev.append(f"running = max_num_seqs ({bt['max_num_seqs']}) with requests waiting on "
-                      f"{_pct(bt['capped_share'])} of scrapes")
-        if kv["usage_max"] is not None and kv["usage_max"] >= ms.KV_FULL:
-            layer = "engine.kv"
-            ev.append(f"KV cache usage peaks at {_pct(kv['usage_max'])} (full on {_pct(kv['full_share'])} of "
-                      "samples): KV-bound, not only queue-bound")
-        out.append({"message": f"requests wait in the engine queue ({_pct(q)} of E2E)", "layer": layer,
-                    "evidence": ev})
-    if (kv["preemptions"] or 0) > 0 or (kv["usage_max"] or 0) >= 0.95:
-        out.append({"message": "KV pressure", "layer": "engine.kv",
-                    "evidence": [f"{int(kv['preemptions'] or 0)} preemptions over the run",
-                                 f"KV usage max {_pct(kv['usage_max'])}, mean {_pct(kv['usage_mean'])}"]})
-    if pc["workload_shares_prefixes"] and pc["hit_rate"] is not None and pc["hit_rate"] < 0.01:
-        why = ("prefix caching is off (enable_prefix_caching=False)" if pc["enabled"] is False else
-               "prefix caching is on but nothing matched" if pc["enabled"] else "prefix caching is off or not matching")
-        out.append({"message": "prefix-cache hit rate 0% while the workload shares prefixes", "layer": "engine.kv",
-                    "evidence": [f"hit rate {_pct(pc['hit_rate'])} from {pc['source']}", why,
-                                 f"workload {r.workload.get('name')} re-sends shared system prompts"]})
-    fo = shares.get("engine.output + frontend")
-    if fo is not None and fo >= 0.3:
-        out.append({"message": f"time outside the engine core (API server, detokenization, streaming) is "
-                               f"{_pct(fo)} of E2E", "layer": "engine.output",
-                    "evidence": [f"e2e - queue - inference = {split['frontend_output_s']:.3f} s per request"]})
-    return out
+    """The single-run findings of ``server_rules.SERVER_RULES`` (the same table our bundles use)."""
+    return server_findings(server_state(r, split, kv, pc, bt))
 
 
 # ---- two runs -------------------------------------------------------------------------------------
-HARDWARE = "model compute changed with no config or version change: the machine (contention, clocks, hardware)"
+HARDWARE = ("model compute changed with no config or version change: the model's work or the machine (contention, "
+            "clocks, hardware), which nothing measured here can tell apart")
 COALESCED = 0.3  # share of client token gaps under 0.1 ms above which per-token timings are not measurable
 
 
@@ -139,12 +118,8 @@ def workload_diff(a: ExternalRun, b: ExternalRun) -> list[dict[str, Any]]:
     return out
 
 
-def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun | str | Path, *,
-                     rule: Rule = EXTERNAL_RULE) -> dict[str, Any]:
-    """Two external runs compared with ``rule`` (default: the run-to-run priors measured on real vLLM
-    runs, ``stats.RUN_SPREAD_EXTERNAL``; one pair calls large changes only)."""
-    a, b = _as_run(baseline), _as_run(candidate)
-    paired = _paired(a, b)
+def _metrics(a: ExternalRun, b: ExternalRun, rule: Rule, paired: bool) -> dict[str, dict]:
+    """The client-side latencies and throughput, and the server's histograms, compared."""
     metrics: dict[str, dict] = {}
     coalesced = {r.name: _coalesced_share(r) for r in (a, b)}
     for name, m, q, kind in LATENCY:
@@ -162,6 +137,16 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
         ha, hb = a.hist(concept), b.hist(concept)
         if ha is not None and hb is not None:
             metrics[name] = compare_histograms(ha, hb, rule)
+    return metrics
+
+
+def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun | str | Path, *,
+                     rule: Rule = EXTERNAL_RULE) -> dict[str, Any]:
+    """Two external runs compared with ``rule`` (default: the run-to-run priors measured on real vLLM
+    runs, ``stats.RUN_SPREAD_EXTERNAL``; one pair calls large changes only)."""
+    a, b = _as_run(baseline), _as_run(candidate)
+    paired = _paired(a, b)
+    metrics = _metrics(a, b, rule, paired)
     wdiff = workload_diff(a, b)
     cdiff = engine_diff(a, b)
     sa, sb = ms.server_split(a), ms.server_split(b)
@@ -181,6 +166,9 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     # server's histograms when that is all there is (an import of /metrics texts).
     client = {n for n, *_ in LATENCY} | {THROUGHPUT}
     decides = (lambda k: k in client) if len(a.ok) and len(b.ok) else (lambda k: True)
+    for k, v in metrics.items():
+        v["decides"] = decides(k)  # (the table says which metrics the headline is read from)
+    holm({k: v for k, v in metrics.items() if decides(k)}, rule)
     worse = [k for k, v in metrics.items() if v["significant"] and v["worse"] and decides(k)]
     # what got worse first, then the headline metrics first (TTFT p50 leads), then the largest change
     order = [n for n, *_ in LATENCY[:1]] + [n for n, *_ in SERVER] + [n for n, *_ in LATENCY[1:]]
@@ -188,14 +176,15 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
                                  else len(order), -abs(f["delta_s"] or 0)))
     better = [k for k, v in metrics.items() if v["significant"] and not v["worse"] and decides(k)]
     wl_changed = any(w["material"] for w in wdiff)
-    verdict = ("workload_changed" if wl_changed and (worse or better) else "regression" if worse else
-               "improvement" if better else "no_change")
+    verdict = "workload_changed" if wl_changed and (worse or better) else headline(metrics, decides)
+    inconclusive = None
     env = machine_diff(_MachineView(a), _MachineView(b))
-    same = same_server_process(a, b, cdiff) if verdict in ("regression", "improvement") else None
+    same = same_server_process(a, b, cdiff) if verdict in DIRECTIONAL else None
     if same:  # one process served both: its code and config cannot differ
         verdict, findings = _same_process_verdict(metrics, findings, env, worse or better, same)
-    elif verdict in ("regression", "improvement"):
-        verdict, findings = _machine_verdict(verdict, metrics, findings, env, cdiff, worse or better)
+    elif verdict in DIRECTIONAL:
+        verdict, findings, inconclusive = _machine_verdict(verdict, metrics, findings, env, cdiff, worse + better,
+                                                           rule)
     against = against_improvement({k: v for k, v in metrics.items() if decides(k)}, rule, higher_is_worse)
     if verdict == "improvement" and against:  # a trade-off (docs/diagnose.md §2): its cost leads
         verdict = "mixed"
@@ -210,9 +199,11 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
         c["consistent"] = any(f["layer"] == c["layer"] for f in findings) if c["layer"] and findings else None
     primary = ({"metric": findings[0]["metric"], "layer": findings[0]["layer"]} if findings and verdict != "no_change"
                else None)
+    if inconclusive is not None and inconclusive.get("layer"):
+        primary = {"metric": inconclusive["metric"], "layer": inconclusive["layer"]}
     return {"schema": SCHEMA, "baseline": a.name, "candidate": b.name, "verdict": verdict, "metrics": metrics,
             "findings": findings, "primary": primary, "config_diff": cdiff, "workload_diff": wdiff,
-            "machine": machine_json(env),
+            "machine": machine_json(env), **({"inconclusive": inconclusive} if inconclusive else {}),
             "external": {"paired": paired, "server_split": {"baseline": sa, "candidate": sb},
                          "kv": dict(zip(("baseline", "candidate"), ctx["kv"])),
                          "prefix_cache": dict(zip(("baseline", "candidate"), ctx["prefix"])),
@@ -277,30 +268,33 @@ def _hardware_finding(name: str, m: dict, cause: str, evidence: list[str]) -> di
 
 
 def _machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict, cdiff: list[dict],
-                     decided: list[str]) -> tuple[str, list[dict]]:
-    """The external analogue of ``machine.machine_verdict``. An external run has no step phases to
-    stand out, so the software evidence is a config or version change between the runs: with one,
-    the findings stay and carry the machine's evidence; without, a change the machine explains (its
-    speed differed the way the change went, or varied while the runs were recorded) is
-    ``environment_changed``, one ``hardware`` finding per metric that decided the verdict."""
+                     decided: list[str], rule: Rule = EXTERNAL_RULE) -> tuple[str, list[dict], dict | None]:
+    """The external analogue of ``machine.machine_verdict``. An external run has no step clocks and no
+    run-queue wait of the server's threads, so no contention measurement can account for a change: a
+    config or version change keeps the findings, with the machine's evidence beside them; without one,
+    a change the machine could explain (its speed differed the way the change went, or varied while the
+    runs were recorded) is ``inconclusive``, the findings kept (the candidate layer first) with the
+    smallest change this pair could see and the interleaved repetitions that would decide."""
+    from layerscope.diagnose.contention import plan
+
     if not machine_relevant(env):
-        return verdict, findings
+        return verdict, findings, None
     note = ("the machine differed too: " if env.get("changed") else "the machine: ") + "; ".join(env["evidence"])
+    for f in findings:
+        f["evidence"].append(note)
     explained = [n for n in decided if machine_explains(metrics[n], higher_is_worse(n), env)]
     if cdiff or len(explained) < len(decided):
-        for f in findings:
-            f["evidence"].append(note)
-        return verdict, findings
-    who = env.get("busier") or env.get("leaning")
-    hw = []
-    for n in explained:
-        slower = _slower(n, metrics[n])
-        side = who if who is not None and (who == "candidate") == (slower == "slower") else None
-        hw.append(_hardware_finding(n, metrics[n], f"the machine, not the server: the candidate ran {slower}, the "
-                                    f"{side + ' ' if side else ''}machine {'was slower' if side else 'varied'} "
-                                    "(evidence below), and neither the server's config nor its version changed",
-                                    list(env["evidence"])))
-    return "environment_changed", hw + [f for f in findings if f["metric"] not in explained]
+        return verdict, findings, None
+    lead = max(explained, key=lambda n: abs(metrics[n].get("delta_pct") or 0))
+    cands = [f for f in findings if f["metric"] == lead and f["layer"] not in ("hardware", "client")]
+    layer = cands[0]["layer"] if cands else None
+    p = plan(metrics[lead], lead, 1 + (metrics[lead].get("delta_pct") or 0) / 100, rule)
+    text = (f"inconclusive: {lead} moved{', most likely in ' + layer if layer else ''}, but the machine "
+            "differed and nothing measured the server's wait for a CPU to separate the two. This pair could "
+            f"see changes from {'+%.0f%%' % p['smallest_detectable_pct'] if p['smallest_detectable_pct'] else 'n/a'}"
+            f"; to decide run `layerscope regress` with {p['repetitions'] or 'more than 200'} interleaved "
+            "repetitions a version (from the metric's run-to-run spread)")
+    return "inconclusive", findings, {"metric": lead, "layer": layer, **p, "text": text}
 
 
 def _d(x: float | None, y: float | None) -> float | None:
@@ -328,8 +322,6 @@ def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dic
         layer_of["queue"] = "engine.kv"
         if causes.get("prefix"):
             layer_of["prefill"] = "engine.kv"
-    if not cdiff:  # compute slower with no config or version change: the machine (DESIGN.md: hardware)
-        layer_of = {k: ("hardware" if v == "model.forward" else v) for k, v in layer_of.items()}
     merged: dict[str, float] = {}
     for part, v in parts.items():
         merged[layer_of[part]] = merged.get(layer_of[part], 0.0) + v
@@ -343,7 +335,7 @@ def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dic
         ev.insert(0, f"{layer}: {v * 1e3:+.1f} ms per request (server histograms, mean) of a {total * 1e3:+.1f} ms "
                      f"change in client {label}")
         findings.append({"metric": name, "layer": layer, "share": share, "delta_s": v,
-                         "cause": causes.get(layer + ".cause", HARDWARE if layer == "hardware" else
+                         "cause": causes.get(layer + ".cause", HARDWARE if layer == "model.forward" and not cdiff else
                                              "measured on the server's histograms"),
                          "evidence": ev, "config_changes": [c["key"] for c in cdiff if c["layer"] == layer]})
     if not findings:
@@ -355,43 +347,8 @@ def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dic
 
 
 def _causes(ctx: dict, cdiff: list[dict]) -> dict[str, Any]:
-    (ka, kb), (pa, pb), (ba, bb) = ctx["kv"], ctx["prefix"], ctx["batch"]
-    out: dict[str, Any] = {}
-    keys = {c["key"]: c for c in cdiff}
-    # admission capped by max_num_seqs: running sat at the cap with requests waiting more often than
-    # before, or the cap itself changed and requests now wait
-    capped_more = (bb["capped_share"] or 0) > (ba["capped_share"] or 0) + 0.1
-    cap_changed = "max_num_seqs" in keys and (bb["waiting_mean"] or 0) > (ba["waiting_mean"] or 0)
-    if capped_more or cap_changed:
-        out["cap"] = True
-        out["engine.queue.cause"] = (f"admission capped: max_num_seqs {keys['max_num_seqs']['baseline']} -> "
-                                     f"{keys['max_num_seqs']['candidate']}" if "max_num_seqs" in keys
-                                     else "admission capped at max_num_seqs")
-        out["engine.queue.evidence"] = [
-            f"running = max_num_seqs with requests waiting on {_pct(bb['capped_share'])} of scrapes (was "
-            f"{_pct(ba['capped_share'])})", f"waiting mean {ba['waiting_mean']} -> {bb['waiting_mean']}",
-            f"KV usage max {_pct(ka['usage_max'])} -> {_pct(kb['usage_max'])} (not KV-bound)"]
-    kv_ev = []
-    if pa["hit_rate"] is not None and pb["hit_rate"] is not None and pa["hit_rate"] >= 0.1 and \
-            pb["hit_rate"] < 0.5 * pa["hit_rate"]:
-        out["prefix"] = True
-        kv_ev.append(f"prefix-cache hit rate {_pct(pa['hit_rate'])} -> {_pct(pb['hit_rate'])} "
-                     f"({'the workload shares prefixes' if pb['workload_shares_prefixes'] else 'workload'})")
-        out["engine.kv.cause"] = "prefix cache lost its reuse: shared prompt prefixes are recomputed"
-    cap_a, cap_b = ka["capacity_tokens"], kb["capacity_tokens"]
-    pre_a, pre_b = ka["preemptions"] or 0, kb["preemptions"] or 0
-    full = kb["usage_max"] is not None and kb["usage_max"] >= ms.KV_FULL and (ka["usage_max"] or 0) < ms.KV_FULL
-    if (cap_a and cap_b and cap_b < 0.8 * cap_a) or pre_b > pre_a or full:
-        kv_ev.append(f"KV capacity {cap_a} -> {cap_b} tokens; usage max {_pct(ka['usage_max'])} -> "
-                     f"{_pct(kb['usage_max'])}; preemptions {pre_a:.0f} -> {pre_b:.0f}")
-        out.setdefault("engine.kv.cause", "KV cache starved: requests wait for free blocks (KV-bound, not "
-                                          "queue-bound)")
-        if "max_num_seqs" not in keys:  # KV-bound: the cap did not change, the KV cache did
-            out.pop("cap", None)
-    if kv_ev:
-        out["engine.kv"] = True
-        out["engine.kv.evidence"] = kv_ev
-    return out
+    """What moved the server's queue or KV (``server_rules.PAIR_RULES``, the table docs/diagnose.md §6 lists)."""
+    return pair_causes(ctx, cdiff)
 
 
 def _var_bound(h: tuple[list[float], list[float], float, float], mean: float) -> float:
@@ -451,13 +408,11 @@ def server_finding(name: str, concept: str, layer: str, metric: dict, causes: di
     kv = causes.get("engine.kv") and not causes.get("cap")
     if kv and (layer == "engine.queue" or (concept == "prefill_time" and causes.get("prefix"))):
         layer = "engine.kv"
-    if layer == "model.forward" and not cdiff:
-        layer = "hardware"
     delta = metric["candidate"] - metric["baseline"]
     ev = [f"{concept.replace('_', ' ')} {metric['baseline'] * 1e3:.1f} -> {metric['candidate'] * 1e3:.1f} ms per "
           f"request (server histogram, mean over {metric['n_candidate']} requests)"]
     ev += list(causes.get(layer + ".evidence", []))
     return {"metric": name, "layer": layer, "share": 1.0, "delta_s": delta,
-            "cause": causes.get(layer + ".cause", HARDWARE if layer == "hardware" else
+            "cause": causes.get(layer + ".cause", HARDWARE if layer == "model.forward" and not cdiff else
                                 "measured on the server's histograms"), "evidence": ev,
             "config_changes": [c["key"] for c in cdiff if c["layer"] == layer]}

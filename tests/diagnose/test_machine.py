@@ -167,10 +167,16 @@ def test_a_machine_that_only_varied_does_not_explain_a_slower_candidate_whose_st
     # skew: the machine stays possible
     a_ll = synth(seed=1, noise_seed=1, replicas=2, outside_cpu_cores=0.3, arrival_rate_per_s=120.0,
                  router_policy="least_loaded")
-    for base, other in ((a_ll, synth(**{**unmoved, "router_policy": "least_loaded"})),
-                        (a, synth(**{**unmoved, "router_skew": 0.0, "machine_slowdown": 1.5}))):
-        d = compare(base, other).diagnosis
-        assert d["verdict"] == "environment_changed" and d["primary"]["layer"] == "hardware", d["findings"][:2]
+    d = compare(a_ll, synth(**{**unmoved, "router_policy": "least_loaded"})).diagnosis
+    assert d["verdict"] == "environment_changed" and d["primary"]["layer"] == "hardware", d["findings"][:2]
+    # every step x1.5 with the run's own CPU wait unchanged: the contention measurements do not account
+    # for it (issue 36: a varying machine no longer explains any change; environment_changed only where
+    # the measured wait does). x1.5 is under the step's floor (+56 % at the A/A-measured step prior), so
+    # the pair cannot separate it: inconclusive, the software layer first, with the plan
+    d = compare(a, synth(**{**unmoved, "router_skew": 0.0, "machine_slowdown": 1.5})).diagnosis
+    assert d["verdict"] == "inconclusive" and d["primary"]["layer"] not in ("hardware", None), d["findings"][:2]
+    assert any("the machine's share of the step's change" in e for e in d["findings"][0]["evidence"])
+    assert d["inconclusive"]["repetitions"] >= 2
 
 
 def test_a_front_end_that_waited_for_a_cpu_leaves_the_machine_possible(synth):
@@ -204,7 +210,8 @@ def test_a_config_change_keeps_its_layer_when_another_phase_stands_out_on_a_vary
     diagnosis named gateway.route. A layer a changed config key can move is that change's."""
     d = compare(RECORDED / "baseline", RECORDED / "candidate").diagnosis
     assert d["machine"]["changed"] or d["machine"].get("machine_range", 1) >= 1.25
-    assert d["verdict"] == "regression" and d["primary"]["layer"] == "engine.queue", d["findings"][:2]
+    # TTFT worse, TPOT better: a trade-off (the headline rule), led by the TTFT side
+    assert d["verdict"] == "mixed" and d["primary"]["layer"] == "engine.queue", d["findings"][:2]
     top = d["findings"][0]
     assert "max_num_seqs" in top["cause"], top["cause"]
     assert any(e.endswith("a config change can move engine.queue") for e in top["evidence"]), top["evidence"]
