@@ -106,6 +106,16 @@ def config_source(obj: Any) -> dict[str, Any]:
     raise TypeError(f"cannot read a config from {type(obj).__name__}")
 
 
+def _kernel_measurement(key: str) -> bool:
+    """The load-time kernel timings (resolved.kernels: *_us, the cache key, the CPU it ran on) vary
+    run to run; only the choices they led to are configuration."""
+    parts = key.split(".")
+    if "kernels" not in parts:
+        return False
+    rest = parts[parts.index("kernels") + 1:]
+    return any(p.endswith("_us") for p in rest) or rest[:1] in (["key"], ["cpu"])
+
+
 def _from_manifest(m: Mapping[str, Any], name: str) -> dict[str, Any]:
     resolved = m.get("resolved") or {}
     if isinstance(resolved, list):  # per replica
@@ -116,6 +126,7 @@ def _from_manifest(m: Mapping[str, Any], name: str) -> dict[str, Any]:
         resolved = flat_r
     else:
         resolved = flatten_config(resolved)
+    resolved = {k: v for k, v in resolved.items() if not _kernel_measurement(k)}
     return {
         "name": name,
         "config": {**CONFIG_DEFAULTS, **flatten_config(m.get("config") or {})},
@@ -151,7 +162,8 @@ def config_diff(a: Any, b: Any, changed_layers: Iterable[str] | None = None) -> 
             else:
                 src_a = src_b = None
                 if kind == "resolved":
-                    layer = RESOLVED_LAYERS.get(key.split(".")[-1], RESOLVED_DEFAULT_LAYER)
+                    layer = ("kernel.compute" if "kernels" in key.split(".")
+                             else RESOLVED_LAYERS.get(key.split(".")[-1], RESOLVED_DEFAULT_LAYER))
                 elif kind == "versions":
                     layer = VERSION_LAYERS.get(key)  # None: a version change can move any layer
                 else:

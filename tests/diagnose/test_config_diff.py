@@ -103,3 +103,20 @@ def test_change_text_says_where_each_value_came_from():
                     "candidate_source": missing}
         assert change_text(resolved) == "num_kv_blocks 32 -> 4"
         assert source_text(missing, missing) == ""
+
+
+def test_kernel_choice_is_config_its_timings_are_not():
+    """resolved.kernels: the measured choice is diffed (layer kernel.compute); the timings, the cache
+    key and the CPU record behind it vary run to run and are not (same-software runs stay the same)."""
+    from layerscope.diagnose.config_diff import config_diff
+
+    def manifest(plan, choice, us, key):
+        return {"resolved": {"kernels": {"plan": plan, "key": key, "cpu": {"model": key},
+                                         "linear_decode_total_us": {"native": us},
+                                         "ops": {"linear.qkv": {"choice": choice, "decode_us": {"native": us}}}}}}
+
+    same = config_diff(manifest("native stack", "native", 3.0, "k1"), manifest("native stack", "native", 5.0, "k2"))
+    assert same.empty
+    d = config_diff(manifest("native stack", "native", 3.0, "k1"), manifest("per shape", "onednn", 3.0, "k1"))
+    assert set(d["key"]) == {"kernels.plan", "kernels.ops.linear.qkv.choice"}
+    assert set(d["layer"]) == {"kernel.compute"}
