@@ -97,7 +97,13 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     except RunError as e:
         print(f"layerscope: error: {e}", file=sys.stderr)
         return 2
-    _emit(args, result, blocks)
+    # a section the composing CLI adds to a comparison (the replay's counterfactual split): diagnose
+    # does not import what computes it; fn(args, result) -> (key, data, print after the report) or None
+    section = getattr(args, "comparison_section", None)
+    extra = section(args, result) if section is not None and len(args.runs) == 2 else None
+    _emit(args, {**result, extra[0]: extra[1]} if extra and args.json else result, blocks)
+    if extra and not args.json:
+        extra[2]()
     return 0
 
 

@@ -117,34 +117,19 @@ def _add_counterfactual(sub) -> None:
         return
     p.add_argument("--no-counterfactual", action="store_true",
                    help="two runs: leave out the replay's counterfactual split (docs/replay.md)")
-    inner = p.get_default("func")
 
-    def diagnose_with_counterfactual(args: argparse.Namespace) -> int:
-        if len(args.runs) != 2 or args.no_counterfactual or args.follow or args.window or args.last:
-            return inner(args)
-        from layerscope.diagnose import cli as dcli
+    def counterfactual_section(args: argparse.Namespace, result: dict):
+        if args.no_counterfactual or args.follow or args.window or args.last:
+            return None
         from layerscope.replay import cli as rcli
 
-        emit = dcli._emit
-
-        def emit_with_split(a: argparse.Namespace, result: dict, blocks) -> None:
-            try:
-                cf = rcli.counterfactual(args.runs[0], args.runs[1], result)
-            except (ValueError, KeyError) as e:  # an external bundle, no steps: nothing to replay
-                cf = {"schema": "layerscope.counterfactual/1", "error": str(e)}
-            if a.json:
-                emit(a, {**result, "counterfactual": cf}, blocks)
-                return
-            emit(a, result, blocks)
-            rcli.print_counterfactual(cf)
-
-        dcli._emit = emit_with_split
         try:
-            return inner(args)
-        finally:
-            dcli._emit = emit
+            cf = rcli.counterfactual(args.runs[0], args.runs[1], result)
+        except (ValueError, KeyError) as e:  # an external bundle, no steps: nothing to replay
+            cf = {"schema": "layerscope.counterfactual/1", "error": str(e)}
+        return "counterfactual", cf, lambda: rcli.print_counterfactual(cf)
 
-    p.set_defaults(func=diagnose_with_counterfactual)
+    p.set_defaults(comparison_section=counterfactual_section)
 
 
 def _add_prometheus_commands(sub) -> None:
