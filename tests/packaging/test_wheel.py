@@ -45,6 +45,7 @@ ACTIONS = {
     "import": "test_actions_from_the_repository_root",  # the bench's own /metrics and vLLM result
     "replay": "test_actions_from_the_repository_root",
     "whatif": "test_actions_from_the_repository_root",
+    "fleet": "test_fleet_from_the_wheel",
 }
 WORKLOAD = ["--workload", "chat", "--num-requests", "6", "--rate", "0", "--param", "output_len=6"]
 
@@ -191,6 +192,30 @@ def test_actions_from_the_repository_root(venv, tmp_path):
     assert not result["failures"], result["failures"]
     plots = list((tmp_path / "reg").glob("*/plots/*.png"))  # matplotlib is installed and drew them
     assert len(plots) == 2, plots
+
+
+def test_fleet_from_the_wheel(venv, tmp_path):
+    """``fleet`` against a real Prometheus holding a small backfilled fleet (benchmarks/fleet_scale.py's)."""
+    import importlib.util
+    import time
+
+    prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
+    assert prometheus and promtool, "prometheus/promtool not on PATH (apt-get install prometheus)"
+    spec = importlib.util.spec_from_file_location("fleet_scale", REPO / "benchmarks" / "fleet_scale.py")
+    fs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fs)
+    end = int(time.time()) // 3600 * 3600 - 3600
+    model = fs.fleet_model(6, end - 6 * 3600, end, 60)
+    tsdb, _ = fs.backfill(model, tmp_path, promtool)
+    proc, url = fs.start_prometheus(prometheus, tsdb, tmp_path)
+    try:
+        out = ls(venv, "fleet", "--prometheus", url, "--selector", '{job="vllm"}', "--window",
+                 f"{model['last_day'] + 600}..{end}", "--json", cwd=tmp_path).stdout
+    finally:
+        fs.stop(proc)
+    report = json.loads(out)
+    assert len(report["replicas"]) == 6
+    assert {o["replica"] for o in report["outliers"]} == {model["slow"], model["stuck"], model["skew"]}
 
 
 def test_demo_from_elsewhere(venv, elsewhere):
