@@ -218,8 +218,6 @@ def live():
 
 
 @pytest.fixture(scope="session")
-def small_model(tmp_path_factory):
+def small_model(tmp_path_factory, seeded_model):
     """The ``small`` llama both live sessions serve (a prefill long enough to time)."""
-    from layerscope.engine.models.create import create_model
-
-    return create_model(tmp_path_factory.mktemp("small-model") / "small", arch="llama", preset="small", seed=0)
+    return seeded_model(tmp_path_factory.mktemp("small-model") / "small", arch="llama", preset="small", seed=0)
