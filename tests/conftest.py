@@ -27,6 +27,20 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
 
 
+def _register_benchmarks() -> None:
+    """``import benchmarks.NAME`` for the tests of the benchmark scripts (the root is off sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmarks", _ROOT / "benchmarks" / "__init__.py",
+                                                  submodule_search_locations=[str(_ROOT / "benchmarks")])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmarks"] = module
+    spec.loader.exec_module(module)
+
+
+_register_benchmarks()
+
+
 import pytest  # noqa: E402
 
 # ---- test tiers -------------------------------------------------------------------------------
@@ -40,32 +54,18 @@ USES = {
     "tmux": r"\btmux\b",
     "chromium": r"chromium",
     "wheel": r"\"wheel\"|bdist_wheel",
-    "distributed": r"torch\.distributed|init_process_group|(?:LLM|run_offline)\((?:[^()]|\([^()]*\))*tp_size=[2-9]|\"--tp\", \"[12,]*[2-9]",
+    "distributed": (r"torch\.distributed|init_process_group|\"--tp\", \"[12,]*[2-9]|"
+                    r"(?:LLM|run_offline)\((?:[^()]|\([^()]*\))*tp_size=[2-9]"),
     "server": r"\bPopen\(|\bserver\(|start_new_session|uvicorn|\"serve\"|replica_main|run_rolling",
     "engine": (r"create_model\(|cached_model\(|run_offline\(|LLMEngine\(|\bLLM\(|from_pretrained\(|"
                r"\"(run|generate|demo|regress|bisect|model)\", \"|\brun_suite\(|\bbisect\(|"
                r"tiny_model|tiny_llama|small_model|default_run"),
     "subprocess": r"subprocess\.|sys\.executable",
-    "timing": r"yardstick|_busy_jiffies|\bbench\(",
+    "timing": r"yardstick|_busy_jiffies|\bbench\(|time_to_overview",
 }
 EXTERNAL = ("vllm", "prometheus", "tmux", "chromium", "wheel")
 SERIAL = ("vllm", "prometheus", "tmux", "chromium", "server", "timing")
 FAST_EXCLUDES = ("engine", "server", "subprocess", "distributed", "slow", *EXTERNAL)
-MARKERS = {
-    "vllm": "runs the real vLLM CPU build (its cached venv)",
-    "prometheus": "runs Prometheus or promtool",
-    "tmux": "drives the TUI in tmux",
-    "chromium": "renders in headless Chromium",
-    "wheel": "builds and installs the wheel",
-    "distributed": "starts torch.distributed worker processes",
-    "server": "starts a subprocess server or replica",
-    "engine": "builds an engine or a seeded model",
-    "subprocess": "runs a subprocess (a CLI, another Python)",
-    "timing": "compares timings, so runs alone",
-    "external": "needs an external program (vllm, prometheus, tmux, chromium, a wheel build)",
-    "serial": "runs in the serial pass of scripts/test.sh, after the parallel one",
-    "fast": "in `scripts/test.sh --fast`",
-}
 _PATTERNS = {name: re.compile(rx) for name, rx in USES.items()}
 _SOURCE: dict[object, str] = {}
 
@@ -107,11 +107,6 @@ def _uses(item) -> set[str]:
         for fixdef in item._fixtureinfo.name2fixturedefs.get(name, ()):
             text += _source(fixdef.func)
     return {name for name, rx in _PATTERNS.items() if rx.search(text)}
-
-
-def pytest_configure(config):
-    for name, what in MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {what}")
 
 
 def pytest_collection_modifyitems(config, items):
