@@ -56,16 +56,19 @@ USES = {
     "wheel": r"\"wheel\"|bdist_wheel",
     "distributed": (r"torch\.distributed|init_process_group|\"--tp\", \"[12,]*[2-9]|"
                     r"(?:LLM|run_offline)\((?:[^()]|\([^()]*\))*tp_size=[2-9]"),
-    "server": r"\bPopen\(|\bserver\(|start_new_session|uvicorn|\"serve\"|replica_main|run_rolling",
+    "server": (r"\bPopen\(|\bserver\(|start_new_session|uvicorn|\"serve\"|replica_main|run_rolling|"
+               r"\bstart_server\b|\bstart_layerscope\b"),
     "engine": (r"create_model\(|cached_model\(|run_offline\(|LLMEngine\(|\bLLM\(|from_pretrained\(|"
                r"\"(run|generate|demo|regress|bisect|model)\", \"|\brun_suite\(|\bbisect\(|"
                r"tiny_model|tiny_llama|small_model|default_run"),
     "subprocess": r"subprocess\.|sys\.executable",
+    "compiler": r"cpu_native\.build\b",
+    "benchmark": r"layerscope\.(?:engine|kernels)\.bench\b|\bbenchmarks\.(?!serve_soak\.start_)|\bbenchmarks/",
     "timing": r"yardstick|_busy_jiffies|\bbench\(|time_to_overview",
 }
-EXTERNAL = ("vllm", "prometheus", "tmux", "chromium", "wheel")
+EXTERNAL = ("vllm", "prometheus", "tmux", "chromium", "wheel", "compiler")
 SERIAL = ("vllm", "prometheus", "tmux", "chromium", "server", "timing")
-FAST_EXCLUDES = ("engine", "server", "subprocess", "distributed", "slow", *EXTERNAL)
+FAST_EXCLUDES = ("engine", "server", "subprocess", "distributed", "benchmark", "slow", *EXTERNAL)
 _PATTERNS = {name: re.compile(rx) for name, rx in USES.items()}
 _SOURCE: dict[object, str] = {}
 
@@ -94,8 +97,15 @@ def _source(obj, depth: int = 3, seen: set | None = None) -> str:
         codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
     for name in sorted(names):
         ref = getattr(module, name, None)
-        if (inspect.isfunction(ref) or inspect.isclass(ref)) and getattr(ref, "__module__", None) == module.__name__:
-            text += _source(ref, depth - 1, seen)
+        if inspect.ismodule(ref):  # what it reaches through an imported module: its qualified name
+            text += f"\n{ref.__name__}\n"
+        elif isinstance(ref, (str, Path)):  # a module constant: a script's path, a command
+            text += f"\n{ref}\n"
+        elif (inspect.isfunction(ref) or inspect.isclass(ref)) and getattr(ref, "__module__", None):
+            if ref.__module__ == module.__name__:
+                text += _source(ref, depth - 1, seen)
+            else:
+                text += f"\n{ref.__module__}.{ref.__qualname__}\n"
     _SOURCE[key] = text
     return text
 
@@ -137,9 +147,10 @@ def _models_code_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def cached_model(out: Path, arch: str = "llama", preset: str = "tiny", seed: int = 0) -> Path:
+def cached_model(out: Path | None, arch: str = "llama", preset: str = "tiny", seed: int = 0) -> Path:
     """``create_model(out, arch, preset, seed)``, copied from a cache keyed by arch/preset/seed and
-    the creating code's hash (the first creation on a machine writes it)."""
+    the creating code's hash (the first creation on a machine writes it). ``out=None`` returns the
+    cache entry itself, for a reader only (a stable path lets vLLM reuse its compile cache)."""
     from layerscope.engine.models.create import create_model
 
     entry = CACHE / f"{arch}-{preset}-seed{seed}-{_models_code_hash()}"
@@ -152,6 +163,8 @@ def cached_model(out: Path, arch: str = "llama", preset: str = "tiny", seed: int
         except OSError:  # another worker wrote it first: same content
             pass
         shutil.rmtree(tmp, ignore_errors=True)
+    if out is None:
+        return entry
     shutil.copytree(entry, out)
     return out
 
