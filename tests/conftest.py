@@ -63,7 +63,7 @@ USES = {
                r"tiny_model|tiny_llama|small_model|default_run"),
     "subprocess": r"subprocess\.|sys\.executable",
     "compiler": r"cpu_native\.build\b",
-    "benchmark": r"layerscope\.(?:engine|kernels)\.bench\b|\bbenchmarks\.(?!serve_soak\.start_)|\bbenchmarks/",
+    "benchmark": r"layerscope\.(?:engine|kernels)\.bench\b|\bbenchmarks\.(?!serve_soak\b)|\bbenchmarks/",
     "timing": r"yardstick|_busy_jiffies|\bbench\(|time_to_overview",
 }
 EXTERNAL = ("vllm", "prometheus", "tmux", "chromium", "wheel", "compiler")
