@@ -1,8 +1,8 @@
 """Tensor-parallel benchmark: TP=1 against TP=N on one fixed, seeded workload, side by side.
 
     python benchmarks/tensor_parallel.py [--model DIR | --arch llama --preset small]
-                                              [--tp 1,2] [--num-prompts 16] [--max-tokens 32]
-                                              [--device auto|cpu|cuda] [--dtype float32] [--json]
+                                       [--tp 1,2] [--num-prompts 16] [--max-tokens 32]
+                                       [--device auto|cpu|cuda] [--dtype float32] [--json]
 
 For each TP size: output tokens/s over the busy interval (generate() wall time after a
 warm-up), the model FLOP/s that implies (2 x parameters x tokens computed), the mean
