@@ -64,7 +64,7 @@ USES = {
     "subprocess": r"subprocess\.|sys\.executable",
     "compiler": r"cpu_native\.build\b",
     "benchmark": r"layerscope\.(?:engine|kernels)\.bench\b|\bbenchmarks\.(?!serve_soak\b)|\bbenchmarks/",
-    "timing": r"yardstick|_busy_jiffies|\bbench\(|time_to_overview",
+    "timing": r"yardstick|_busy_jiffies|\bbench\(|time_to_overview|\bregress\(\"smoke\"",  # last: real A/A gates
 }
 EXTERNAL = ("vllm", "prometheus", "tmux", "chromium", "wheel", "compiler")
 SERIAL = ("vllm", "prometheus", "tmux", "chromium", "server", "timing")
