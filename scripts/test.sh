@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything (venv, Python and Debian packages) and run the tests.
 #   bash scripts/test.sh          every test (what CI runs): a parallel pass, then the serial pass
-#                                 (tests that time things or hold live servers run alone)
+#                                 (tests that time things or compare live vLLM runs, alone)
 #   bash scripts/test.sh --fast   the inner loop: no engine builds, servers, subprocesses, TP
 #                                 workers or external programs (markers: tests/conftest.py)
 # Other arguments go to pytest (paths, -k, -x, ...); PYTEST_WORKERS sets the parallel pass's width.
@@ -21,19 +21,22 @@ reports=()
 rc=0
 # the import contracts (.importlinter) first: a broken contract fails the run (pytest still runs)
 bash scripts/lint_imports.sh || rc=$?
-run_pass() {  # NAME MARKEXPR PYTEST-ARGS...: exit 5 (nothing selected) is not a failure
-  local name=$1 expr=$2 report
-  shift 2
+run_pass() {  # NAME THREADS MARKEXPR PYTEST-ARGS...: exit 5 (nothing selected) is not a failure
+  local name=$1 threads=$2 expr=$3 report
+  shift 3
   report=$(mktemp --suffix=".$name.xml")
   reports+=("$report")
   echo "== $name pass: -m \"$expr\""
-  local r=0
-  .venv/bin/python -m pytest -q --durations=25 --junitxml="$report" -m "$expr" "$@" ${args[@]+"${args[@]}"} || r=$?
+  local r=0 envs=()
+  [ -n "$threads" ] && envs=(env "OMP_NUM_THREADS=$threads")
+  ${envs[@]+"${envs[@]}"} .venv/bin/python -m pytest -q --durations=25 --junitxml="$report" -m "$expr" "$@" \
+    ${args[@]+"${args[@]}"} || r=$?
   if [ "$r" != 0 ] && [ "$r" != 5 ]; then rc=$r; fi
 }
 start=$SECONDS
-run_pass parallel "${select}not serial" -n "$workers"
-run_pass serial "${select}serial" -p no:xdist
+# one intra-op thread per worker: threads that spin-wait for a core another worker holds are slow
+run_pass parallel "${OMP_NUM_THREADS:-1}" "${select}not serial" -n "$workers"
+run_pass serial "${OMP_NUM_THREADS:-}" "${select}serial" -p no:xdist
 echo "== wall time $((SECONDS - start)) s"
 # pytest's own closing line goes missing in some full runs here, and there are two passes: print
 # the plain "N passed, N failed" closing line from their JUnit reports so it is always there.

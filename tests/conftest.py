@@ -47,7 +47,9 @@ import pytest  # noqa: E402
 # Each marker is applied from what a test runs: its own code, the module-level helpers that code
 # names (followed a few calls deep) and every fixture in its closure (conftest ones included).
 # `scripts/test.sh --fast` deselects FAST_EXCLUDES; the `serial` ones run after the rest, alone,
-# since they time things or hold live servers and would be disturbed by a parallel neighbour.
+# since they time things or compare live vLLM runs and a parallel neighbour would move their
+# figures. Servers on free loopback ports and tmux sessions run in parallel: two workers are the
+# load these tests were written to stand on a shared 2-core machine.
 USES = {
     "vllm": r"vllm_python|vllm_runs|vllm_argv",
     "prometheus": r"prometheus_bin|promtool",
@@ -64,10 +66,10 @@ USES = {
     "subprocess": r"subprocess\.|sys\.executable",
     "compiler": r"cpu_native\.build\b",
     "benchmark": r"layerscope\.(?:engine|kernels)\.bench\b|\bbenchmarks\.(?!serve_soak\b)|\bbenchmarks/",
-    "timing": r"yardstick|_busy_jiffies|\bbench\(|time_to_overview|\bregress\(\"smoke\"",  # last: real A/A gates
+    "timing": r"yardstick|_busy_jiffies|\bbench\(|time_to_overview",
 }
 EXTERNAL = ("vllm", "prometheus", "tmux", "chromium", "wheel", "compiler")
-SERIAL = ("vllm", "prometheus", "tmux", "chromium", "server", "timing")
+SERIAL = ("vllm", "timing")
 FAST_EXCLUDES = ("engine", "server", "subprocess", "distributed", "benchmark", "slow", *EXTERNAL)
 _PATTERNS = {name: re.compile(rx) for name, rx in USES.items()}
 _SOURCE: dict[object, str] = {}
@@ -124,7 +126,7 @@ def pytest_collection_modifyitems(config, items):
         uses = _uses(item) | {m.name for m in item.iter_markers() if m.name in USES or m.name == "slow"}
         if uses & set(EXTERNAL):
             uses.add("external")
-        if uses & set(SERIAL) and "wheel" not in uses:  # the wheel's serve is a smoke test, nothing timed
+        if uses & set(SERIAL):
             uses.add("serial")
         if not uses & set(FAST_EXCLUDES):
             uses.add("fast")
