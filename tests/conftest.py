@@ -16,6 +16,11 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# pytest-xdist's workers get COLUMNS=80 LINES=24, which a TUI started under tmux (with this
+# environment) would take over the pane's size
+if "PYTEST_XDIST_WORKER" in os.environ:
+    for _name in ("COLUMNS", "LINES"):
+        os.environ.pop(_name, None)
 
 # The checkout's source folders (kernels/, engine/, ...) sit at the repository root under their bare
 # names; `python -m pytest` run there puts the root first on sys.path, where our `kernels/` folder
