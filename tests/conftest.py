@@ -77,7 +77,7 @@ EXTERNAL = ("vllm", "prometheus", "tmux", "chromium", "wheel", "compiler")
 SERIAL = ("vllm", "timing")
 FAST_EXCLUDES = ("engine", "server", "subprocess", "distributed", "benchmark", "slow", *EXTERNAL)
 _PATTERNS = {name: re.compile(rx) for name, rx in USES.items()}
-_SOURCE: dict[object, str] = {}
+_SOURCE: dict[int, str] = {}  # id of a test or fixture function -> what it runs
 
 
 def _source(obj, depth: int = 3, seen: set | None = None) -> str:
@@ -87,9 +87,6 @@ def _source(obj, depth: int = 3, seen: set | None = None) -> str:
     if id(obj) in seen or depth < 0:
         return ""
     seen.add(id(obj))
-    key = (id(obj), depth)
-    if key in _SOURCE:
-        return _SOURCE[key]
     try:
         text = inspect.getsource(obj)
     except (OSError, TypeError):
@@ -113,16 +110,22 @@ def _source(obj, depth: int = 3, seen: set | None = None) -> str:
                 text += _source(ref, depth - 1, seen)
             else:
                 text += f"\n{ref.__module__}.{ref.__qualname__}\n"
-    _SOURCE[key] = text
     return text
 
 
+def _cached_source(obj) -> str:
+    key = id(inspect.unwrap(getattr(obj, "__func__", obj)))
+    if key not in _SOURCE:
+        _SOURCE[key] = _source(obj)
+    return _SOURCE[key]
+
+
 def _uses(item) -> set[str]:
-    text = _source(item.function) if hasattr(item, "function") else ""
+    text = _cached_source(item.function) if hasattr(item, "function") else ""
     for name in item.fixturenames:
         text += name + "\n"
         for fixdef in item._fixtureinfo.name2fixturedefs.get(name, ()):
-            text += _source(fixdef.func)
+            text += _cached_source(fixdef.func)
     return {name for name, rx in _PATTERNS.items() if rx.search(text)}
 
 
