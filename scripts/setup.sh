@@ -10,11 +10,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.layerscope-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q --upgrade pip
   # torch is pinned (a CPU build pip finds on disk); installing it first keeps pip
   # from pulling a multi-GB CUDA build for a looser requirement.
-  .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e '.[dev]'
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q -e '.[dev]'
   touch "$stamp"
 fi
 if [ "${1:-}" = "--system" ]; then

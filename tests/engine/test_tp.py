@@ -248,7 +248,7 @@ def test_cli_generate_tp2(models, capsys):
 
 
 def test_bench_tp_smoke(models, capsys):
-    from layerscope.regressions.bench_tp import main
+    from benchmarks.tensor_parallel import main
 
     assert main(["--model", str(models["llama"]), "--tp", "1,2", "--num-prompts", "2", "--max-tokens", "4",
                  "--json"]) == 0

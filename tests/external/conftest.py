@@ -218,8 +218,7 @@ def live():
 
 
 @pytest.fixture(scope="session")
-def small_model(tmp_path_factory):
-    """The ``small`` llama both live sessions serve (a prefill long enough to time)."""
-    from layerscope.engine.models.create import create_model
-
-    return create_model(tmp_path_factory.mktemp("small-model") / "small", arch="llama", preset="small", seed=0)
+def small_model(seeded_model):
+    """The ``small`` llama both live sessions serve (a prefill long enough to time), read in place
+    from the model cache: the same path each run, so vLLM's torch.compile cache can hit."""
+    return seeded_model(None, arch="llama", preset="small", seed=0)

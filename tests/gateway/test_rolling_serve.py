@@ -12,7 +12,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from layerscope.probes.bench_soak import start_server
+from benchmarks.serve_soak import start_server
 from layerscope.probes.reader import read_bundle
 
 

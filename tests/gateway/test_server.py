@@ -24,7 +24,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    from layerscope.probes.bench_soak import start_server
+    from benchmarks.serve_soak import start_server
 
     proc, url, lines = start_server(
         str(tiny_model), tmp_path_factory.mktemp("serve") / "bundle",

@@ -14,7 +14,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from layerscope.probes.bench_soak import start_layerscope
+from benchmarks.serve_soak import start_layerscope
 from layerscope.probes.reader import read_bundle
 from layerscope.probes.rolling import PART_NAME
 

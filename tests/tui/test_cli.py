@@ -34,7 +34,7 @@ def test_the_tui_imports_no_engine_or_torch():
     code = """
 import sys, asyncio
 from layerscope.diagnose.tui.app import LayerscopeApp
-import layerscope.diagnose.tui.cli, layerscope.diagnose.tui.bench
+import layerscope.diagnose.tui.cli
 async def main():
     app = LayerscopeApp(["tests/data/gateway_preemption_tp"], cursor_blink=False)
     async with app.run_test() as pilot:

@@ -22,7 +22,7 @@ NUM_LOAD = 30
 
 
 def _serve(model, bundle):
-    from layerscope.probes.bench_soak import start_server
+    from benchmarks.serve_soak import start_server
 
     return start_server(str(model), bundle, ["--host", "127.0.0.1", "--bundle-interval", "0.5", "--set",
                                              "max_num_seqs=4"])

@@ -1,6 +1,6 @@
 """Soak: many short requests through ``layerscope serve`` with default probes and a rolling bundle.
 
-    python -m layerscope.probes.bench_soak [--requests 20000] [--model DIR] [--concurrency 8]
+    python benchmarks/serve_soak.py [--requests 20000] [--model DIR] [--concurrency 8]
 
 Starts ``serve`` (tiny model unless --model; a part every --interval seconds), sends
 --requests short completions (a few prompt tokens, --max-tokens output tokens) from

@@ -1,7 +1,7 @@
 """Benchmark: diagnose a synthetic bundle of N requests (targets: 1M < 10 s and < 2 GB peak RSS,
 200k < 4 s, a comparison of two 1M bundles < 20 s).
 
-    python -m layerscope.diagnose.bench [--requests N] [--out DIR] [--compare] [--keep]
+    python benchmarks/diagnose_scale.py [--requests N] [--out DIR] [--compare] [--keep]
 
 Generates the bundle (``diagnose.synth``; more than 25,000 requests are written as parts of one
 simulated segment) and prints the generator's time, the bundle's size (requests, steps, step

@@ -1,6 +1,6 @@
 """What probes cost: the same seeded workload under probes off, default, full and rolling.
 
-    python -m layerscope.probes.bench_overhead [--preset tiny,small | --model DIR] [--requests 480,96]
+    python benchmarks/probe_overhead.py [--preset tiny,small | --model DIR] [--requests 480,96]
         [--reps 6] [--levels off,default,rolling] [--push-interval-s 0.5]
 
 "rolling" is what a serving replica runs (``serve``, ``run`` with a rolling bundle): default probes

@@ -1,8 +1,8 @@
 """Tensor-parallel benchmark: TP=1 against TP=N on one fixed, seeded workload, side by side.
 
-    python -m layerscope.regressions.bench_tp [--model DIR | --arch llama --preset small]
-                                              [--tp 1,2] [--num-prompts 16] [--max-tokens 32]
-                                              [--device auto|cpu|cuda] [--dtype float32] [--json]
+    python benchmarks/tensor_parallel.py [--model DIR | --arch llama --preset small]
+                                       [--tp 1,2] [--num-prompts 16] [--max-tokens 32]
+                                       [--device auto|cpu|cuda] [--dtype float32] [--json]
 
 For each TP size: output tokens/s over the busy interval (generate() wall time after a
 warm-up), the model FLOP/s that implies (2 x parameters x tokens computed), the mean
@@ -92,7 +92,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m layerscope.regressions.bench_tp", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/tensor_parallel.py", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="checkpoint directory (default: a seeded model made for the run)")
     p.add_argument("--arch", default="llama", choices=registry.names())
     p.add_argument("--preset", default="small", choices=["tiny", "small", "100m"])

@@ -1,10 +1,10 @@
 """Benchmark: time from starting ``layerscope tui RUN`` to its overview on screen, for large bundles.
 
-    python -m layerscope.diagnose.tui.bench [--requests 10000 200000 1000000] [--bundle DIR]
-                                            [--cache DIR] [--repeat 3] [--full]
+    python benchmarks/tui_open.py [--requests 10000 200000 1000000] [--bundle DIR]
+                               [--cache DIR] [--repeat 3] [--full]
 
 Without --bundle it generates a synthetic bundle of each --requests size (diagnose.synth, as
-``python -m layerscope.diagnose.bench`` does), under --cache when given (kept and reused: a
+``python benchmarks/diagnose_scale.py`` does), under --cache when given (kept and reused: a
 million requests take minutes to generate), else in a temporary folder. Each repeat runs in a
 fresh Python process (cold imports, as a user gets them) and drives the real app headless
 (``App.run_test``, 160x50) until the overview has been rendered. Printed per repeat, seconds:
@@ -96,7 +96,7 @@ def _bundle(n: int, cache: Path) -> str:
 
 
 def _run_child(bundle: str, fast: bool) -> dict | None:
-    cmd = [sys.executable, "-m", "layerscope.diagnose.tui.bench", "--child", bundle] + ([] if fast else ["--full"])
+    cmd = [sys.executable, __file__, "--child", bundle] + ([] if fast else ["--full"])
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         print(out.stderr, file=sys.stderr)

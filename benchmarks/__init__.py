@@ -1,0 +1,1 @@
+"""Benchmark scripts, run as ``python benchmarks/NAME.py`` (the tests import them as ``benchmarks.NAME``)."""
