@@ -3,7 +3,7 @@
 
     python benchmarks/diagnose_scale.py [--requests N] [--out DIR] [--compare] [--keep]
 
-Generates the bundle (``diagnose.synth``; more than 25,000 requests are written as parts of one
+Generates the bundle (``testing.synth``; more than 25,000 requests are written as parts of one
 simulated segment) and prints the generator's time, the bundle's size (requests, steps, step
 memberships, collectives, bytes on disk), then runs ``layerscope diagnose RUN --json`` (and with
 --compare ``diagnose BASELINE CANDIDATE --json``) as a child process and prints its wall time
@@ -77,7 +77,7 @@ def timed_child(argv: list[str]) -> tuple[float, float, float, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from layerscope.diagnose.synth import SynthSpec, generate
+    from layerscope.testing.synth import SynthSpec, generate
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=10_000)

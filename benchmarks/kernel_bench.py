@@ -199,6 +199,12 @@ def build_cases(tri, ref, sh: Shapes, dtype: torch.dtype, device: str, g: torch.
         _num_bytes(slots) + 2 * written * sh.hk * d * e * 2,
     ))
 
+    return cases + _attention_cases(tri, ref, sh, dtype, device, g, rnd)
+
+
+def _attention_cases(tri, ref, sh: Shapes, dtype: torch.dtype, device: str, g: torch.Generator, rnd) -> list[Case]:
+    cases: list[Case] = []
+    d, bs, e = sh.head_dim, sh.block_size, torch.empty((), dtype=dtype).element_size()
     scale = d**-0.5
     p_lens = [s for s, _ in sh.prefill]
     q_lens = [ql for _, ql in sh.prefill]

@@ -1,6 +1,6 @@
 """Replay and the full counterfactual split of a 10,000-request run: wall and CPU seconds.
 
-Two synthetic bundles (``layerscope.diagnose.synth``: same workload, the candidate with a smaller
+Two synthetic bundles (``layerscope.testing.synth``: same workload, the candidate with a smaller
 max_num_seqs and a per-step overhead) are loaded, replayed once, and split (every subset of the
 differing components replayed, 2 worker processes). CPU seconds include the workers'; on a shared
 machine the wall time depends on the load, so both are printed with the load average.
@@ -28,7 +28,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", type=int, default=10000)
     args = ap.parse_args()
-    from layerscope.diagnose.synth import SynthSpec, generate
+    from layerscope.testing.synth import SynthSpec, generate
 
     root = Path(args.out)
     a, b = root / f"a-{args.requests}", root / f"b-{args.requests}"

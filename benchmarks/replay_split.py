@@ -26,7 +26,7 @@ VERIFY = [["--set", "max_num_seqs=4"], ["--set", "max_num_batched_tokens=64"], [
           ["--rate", "x2"], ["--set", "max_num_seqs=8"]]
 
 
-SYNTH = [  # the same five kinds on synthetic bundles (diagnose/synth.py: a machine without noise spells)
+SYNTH = [  # the same five kinds on synthetic bundles (testing/synth.py: a machine without noise spells)
     ("max_num_seqs=4", "config", dict(max_num_seqs=4)),
     ("num_kv_blocks=60", "kv_capacity", dict(num_kv_blocks=60)),
     ("step_overhead_s=0.004", "step_cost", dict(step_overhead_s=0.004)),
@@ -52,7 +52,7 @@ def split_line(name: str, comp: str, cf: dict) -> bool:
 
 
 def synth_pairs(root: Path) -> None:
-    from layerscope.diagnose.synth import SynthSpec, generate
+    from layerscope.testing.synth import SynthSpec, generate
     from layerscope.replay.inputs import load_inputs
     from layerscope.replay.split import shapley
 

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from layerscope.probes.reader import read_bundle
+from layerscope.probes.reader import read_bundle, read_manifest
 
 
 def _rss_mb(pid: int) -> float:
@@ -140,7 +140,7 @@ def soak(model: str, out: Path, requests: int, warmup: int, concurrency: int, ma
         if done % every == 0:
             samples.append((done, _rss_mb(proc.pid)))
             try:
-                parts_at.setdefault(json.loads((bundle / "manifest.json").read_text())["parts"], done)
+                parts_at.setdefault(read_manifest(bundle)["parts"], done)
             except (OSError, ValueError, KeyError):
                 pass
             print(f"  {done:>7} requests  RSS {samples[-1][1]:8.1f} MB  {done / (time.perf_counter() - t0):6.1f} req/s",

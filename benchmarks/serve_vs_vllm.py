@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from layerscope.probes.reader import read_manifest
+
 VENV = Path.home() / ".cache" / "layerscope" / "vllm-venv"
 EMPTY_CWD = tempfile.mkdtemp(prefix="layerscope-foreign-cwd-")  # other projects' Python starts here
 FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
@@ -133,8 +135,6 @@ def _group_cpu_s(pgids: set[int]) -> float:
 def run_bench(url: str, workload: str, extra: list[str], out: Path, model: Path, pgids: set[int]) -> dict:
     """One ``layerscope bench`` run -> its client summary, plus ``others_cpus``: how many CPUs
     other processes kept busy meanwhile (neither server, nor this client)."""
-    import json
-
     from layerscope.cli import main
 
     busy0, srv0, own0, t0 = _busy_s(), _group_cpu_s(pgids), time.process_time(), time.monotonic()
@@ -145,7 +145,7 @@ def run_bench(url: str, workload: str, extra: list[str], out: Path, model: Path,
         raise RuntimeError(f"layerscope bench {workload} against {url} failed (exit {rc})")
     wall = time.monotonic() - t0
     others = (_busy_s() - busy0 - (_group_cpu_s(pgids) - srv0) - (time.process_time() - own0)) / wall
-    summary = json.loads((out / "manifest.json").read_text())["summary"]["client"]
+    summary = read_manifest(out)["summary"]["client"]
     return {"tok_s": summary["output_tokens_per_s"], "ttft_p50": summary["ttft_s"]["p50"],
             "tpot_p50": summary["tpot_s"]["p50"], "ok": summary["requests_ok"], "n": summary["requests"],
             "others_cpus": max(0.0, others)}
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             server(theirs, root / "vllm.log", vllm_env) as (vllm_url, vllm_pg):
         sides = {"layerscope": our_url, "vllm": vllm_url}
         pgids = {our_pg, vllm_pg}
-        for side, url in sides.items():  # warm-up: compiled shapes, caches; not kept
+        for side, url in sides.items():  # warm-up: compiled shapes, caches; its figures are dropped
             for w, extra in plan.items():
                 run_bench(url, w.split("@")[0], extra, root / f"warm-{side}-{w}", model, pgids)
         for i in range(args.rounds):

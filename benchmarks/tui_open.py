@@ -3,7 +3,7 @@
     python benchmarks/tui_open.py [--requests 10000 200000 1000000] [--bundle DIR]
                                [--cache DIR] [--repeat 3] [--full]
 
-Without --bundle it generates a synthetic bundle of each --requests size (diagnose.synth, as
+Without --bundle it generates a synthetic bundle of each --requests size (testing.synth, as
 ``python benchmarks/diagnose_scale.py`` does), under --cache when given (kept and reused: a
 million requests take minutes to generate), else in a temporary folder. Each repeat runs in a
 fresh Python process (cold imports, as a user gets them) and drives the real app headless
@@ -83,7 +83,7 @@ def _peak_rss_mb() -> float:
 
 def _bundle(n: int, cache: Path) -> str:
     """The synthetic bundle of ``n`` requests under ``cache`` (generated once, then reused)."""
-    from layerscope.diagnose.synth import SynthSpec, generate
+    from layerscope.testing.synth import SynthSpec, generate
 
     path = cache / f"synth-{n}"
     if (path / "manifest.json").is_file() and (path / "metrics.prom").is_file():

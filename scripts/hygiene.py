@@ -33,7 +33,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "diagnose/external/analysis.py": ("file",),
     "diagnose/machine.py": ("docstring", "function"),
     "diagnose/stats.py": ("dated", "docstring"),
-    "diagnose/synth.py": ("function",),
+    "testing/synth.py": ("function",),
     "diagnose/views.py": ("manifest",),
     "kernels/bench.py": ("function",),
     "kernels/triton_ops.py": ("docstring",),

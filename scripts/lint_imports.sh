@@ -14,7 +14,7 @@ mkdir "$tree/layerscope"
 for f in "$root"/src/layerscope/*; do
     ln -s "$f" "$tree/layerscope/"
 done
-for pkg in engine kernels probes diagnose regressions dashboards replay; do
+for pkg in engine kernels probes diagnose regressions dashboards replay testing; do
     ln -s "$root/$pkg" "$tree/layerscope/$pkg"
 done
 PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" "$root/.venv/bin/lint-imports" --no-cache "$root/.importlinter" "$@"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 from benchmarks.tui_open import TARGET_S, time_to_overview
 
 pytestmark = pytest.mark.anyio

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 
 BASE = dict(num_requests=400, arrival_rate_per_s=80.0)
 

@@ -3,7 +3,7 @@
 import pytest
 
 from layerscope.diagnose.comparison import compare
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 
 BASE = dict(num_requests=400, arrival_rate_per_s=80.0)  # tests/diagnose/conftest.py's synth defaults
 

@@ -23,7 +23,7 @@ def test_import_diagnose_pulls_in_no_engine_torch_or_textual():
 def test_every_diagnose_module_and_a_full_diagnosis_stay_engine_free(tmp_path):
     names = [p.stem for p in DIAGNOSE.glob("*.py") if p.stem != "__init__"]
     code = "\n".join(f"import layerscope.diagnose.{n}" for n in names) + f"""
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 from layerscope.diagnose import compare, summarize
 a = generate(SynthSpec(num_requests=50), {str(tmp_path / 'a')!r})
 b = generate(SynthSpec(num_requests=50, step_overhead_s=0.002), {str(tmp_path / 'b')!r})
@@ -46,7 +46,7 @@ def test_diagnose_never_reads_the_manifest_faults():
 
 def test_load_run_drops_faults(tmp_path):
     from layerscope.diagnose.load import load_run
-    from layerscope.diagnose.synth import SynthSpec, generate
+    from layerscope.testing.synth import SynthSpec, generate
 
     run = load_run(generate(SynthSpec(num_requests=10, gateway_delay_s=0.01), tmp_path / "r"))
     assert "faults" not in run.manifest

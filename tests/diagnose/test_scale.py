@@ -22,7 +22,7 @@ from layerscope.diagnose import decompose, model
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.load import RunError, load_run, parse_window
 from layerscope.diagnose.report import summarize
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CLI = [sys.executable, "-m", "layerscope", "diagnose"]

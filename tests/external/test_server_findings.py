@@ -111,7 +111,7 @@ def test_our_bundles_read_through_the_same_overload_rule(synth_bundle):
 
 @pytest.fixture
 def synth_bundle(tmp_path):
-    from layerscope.diagnose.synth import SynthSpec, generate
+    from layerscope.testing.synth import SynthSpec, generate
 
     def make(**kw):
         return generate(SynthSpec(**{"num_requests": 300, "seed": 1, **kw}), tmp_path / f"r{len(list(tmp_path.iterdir()))}")

@@ -11,7 +11,7 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 from layerscope.probes import schema
 from layerscope.probes.reader import PART_NAME, BundleError, read_bundle
 

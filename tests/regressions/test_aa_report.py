@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 from layerscope.regressions.aa_report import _subsets, report
 
 

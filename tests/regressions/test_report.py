@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 from layerscope.regressions.gate import analyse
 from layerscope.regressions.regress import RegressResult, _measure, plan_runs
 from layerscope.regressions.report import terminal_table, write_reports

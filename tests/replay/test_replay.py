@@ -1,5 +1,5 @@
 """The replay: the step-cost fit, the engine's real scheduler on a virtual clock, the exact Shapley
-split, what-if. Synthetic bundles (diagnose.synth) for the splits: their step costs and configs are
+split, what-if. Synthetic bundles (testing.synth) for the splits: their step costs and configs are
 known, so the component that changed is known."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from layerscope.cli import main
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 from layerscope.replay.cost import fit_cost
 from layerscope.replay.inputs import Front, Settings, Workload, load_inputs
 from layerscope.replay.sim import replay

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 from layerscope.diagnose.tui.app import LayerscopeApp
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 from layerscope.diagnose.tui.app import LayerscopeApp, live_text
 from layerscope.diagnose.tui.messages import LiveStatus
 from layerscope.diagnose.tui.overview_screen import OverviewScreen

@@ -19,7 +19,7 @@ from layerscope.diagnose.errors import RunError
 from layerscope.diagnose.load import load_run
 from layerscope.diagnose.report import summarize
 from layerscope.diagnose.request_scan import RequestPages, RequestScan
-from layerscope.diagnose.synth import SynthSpec, generate
+from layerscope.testing.synth import SynthSpec, generate
 from layerscope.diagnose.views import open_run, request_table, sort_requests
 from layerscope.diagnose.tui.request_table import SORTABLE
 
