@@ -13,10 +13,10 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
-from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 
 from layerscope.diagnose.tui.app import LayerscopeApp
+from layerscope.diagnose.tui.screen import LayerscopeScreen
 
 
 def _columns():
@@ -25,7 +25,7 @@ def _columns():
     return COLUMNS, cell
 
 
-class FleetScreen(Screen):
+class FleetScreen(LayerscopeScreen, topic="fleet"):
     BINDINGS = [Binding("escape", "app.quit", "quit")]
 
     def __init__(self, report: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ def _screens() -> list[type]:
 
 def test_every_screen_implements_the_protocol_with_its_own_topic():
     screens = [c for c in _screens() if c is not HelpScreen]
-    assert len(screens) == 7
+    assert len(screens) == 8  # the seven of a run or a comparison, and the fleet's
     for c in screens:
         assert issubclass(c, LayerscopeScreen), c
     topics = [c.HELP_TOPIC for c in screens]
