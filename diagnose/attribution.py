@@ -34,13 +34,12 @@ STEP_PHASES = ("engine.schedule", "model.forward", "parallel.collective", "engin
 # below this overlap of the two runs' batch-token mixes (Causes.batch_overlap) a change of model time
 # is put down to the batches, not to a row or kernel "at equal batch size", when a config that shapes the
 # batch changed (docs/diagnose.md §2).
-# Measured on the fault matrix (2026-12-02): A/A pairs 0.98-1.0, injected faults 0.89-1.0 but a
-# collective delay 0.63 (slower steps batch more), token budget 32 0.52, max_num_seqs 1 0.17, a
-# 16-block KV pool 0.32
+# On the fault matrix: A/A pairs 0.98-1.0, injected faults 0.89-1.0 but a collective delay 0.63 (slower
+# steps batch more), token budget 32 0.52, max_num_seqs 1 0.17, a 16-block KV pool 0.32 (docs/diagnose.md §2)
 MIN_BATCH_OVERLAP = 0.5
 # the run's own threads' CPU wait share (run-queue wait over wait + CPU) must move at least this much
 # the way the steps did for a routing change to be read as the replicas' changed share of the CPUs
-# (fault matrix router.skew, 2026-12-02/03, three revisions: 42-43% -> 26-30%)
+# (fault matrix router.skew, three revisions: 42-43% -> 26-30%)
 MIN_WAIT_MOVE = 0.05
 # the busiest replica's share of requests (in fair shares) moved by at least this: the routing changed
 ROUTER_SHARE_MOVE = 0.15

@@ -1,32 +1,13 @@
 """Did the machine differ between two runs? Contention and speed, from the bundles' machine evidence.
 
-probes/machine.py records, with every ``layerscope run``, what other processes did
-(``outside_cpu_cores`` every 0.25 s, plus hypervisor steal and GPU processes) and a
-fixed yardstick's time before and after the load. ``machine_diff`` compares them:
-
-- **contention**: the runs' samples of other processes' CPU use (outside + steal,
-  cores) differ by a rank test (Mann-Whitney p < 0.01) and by a material amount:
-  at least a quarter of a core, and at least 10% of the usable CPUs (one busy core on a
-  64-core machine is no contention); or, on a saturated machine where the CPUs are busy
-  either way, the share of the time the run's threads were runnable that they spent
-  waiting for a CPU (schedstat) differs by a rank test (p < 0.01) and by >= 10 points;
-- **speed**: the yardstick's timings (3 before + 3 after the load in each run) differ
-  by a rank test (p < 0.05) and the medians by >= 10% (one core's speed: frequency, a
-  VM neighbour, thermal limits);
-- **GPU**: processes that are not the run's on its GPUs in one run and not the other;
-- **instability**: the yardstick is a fixed workload, so the range of its 12 timings
-  (slowest over fastest, both runs pooled: ``machine_range``) is how much the machine's
-  speed for this run varied while the two runs were recorded. On a quiet machine it is a
-  few percent; on an oversubscribed one it can be 10x, and then no step phase's change
-  within that factor can be told from the machine's (``comparison``). Latencies that
-  include queueing move by more than the machine's factor (a queue amplifies a slower
-  server), so the comparison tests the per-step phases against the range, not the
-  latencies.
-
-The run with more contention or the slower yardstick is the one "on the busier
-machine"; the comparison (``comparison.compare``) uses that to say ``environment_changed``
-instead of blaming a software layer. Bundles without machine evidence give
-``recorded: False`` and change nothing.
+probes/machine.py records, with every ``layerscope run``, what other processes did (every 0.25 s:
+outside CPU, steal, the run's own wait for a CPU, GPU processes) and a fixed yardstick's time
+before and after the load. ``machine_diff`` compares them: **contention** (rank test and a
+material amount of other processes' CPU, or on a saturated machine the run's wait share),
+**speed** (the yardstick's timings), **GPU** neighbours, and **instability** (``machine_range``:
+the yardstick's slowest over fastest, both runs pooled). Which run was busier stands beside the
+software findings; diagnose/contention.py decides what the machine accounts for
+(docs/diagnose.md §2.1). Bundles without machine evidence give ``recorded: False``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,10 @@
 """Change detection that holds on a noisy machine: effect size AND a statistical test.
 
-The rule (docs/diagnose.md §2 states it for users), in the spirit of asv's "factor
-plus test": a metric's change is significant when
-
-1. it is larger than what run-to-run spread and sampling produce: |relative change|
-   >= z(1 - alpha/2) * SE, where SE**2 = the bootstrap variance of the relative change
-   (the requests of these runs) + run_se**2, the run-to-run spread of the metric
-   (``Rule.run_spread``: relative SD between identical runs, measured from real A/A runs;
-   with repetitions, measured from them: ``run_level`` / regressions.pooled). The floor
-   scales with the metric: there is no absolute floor in milliseconds;
-2. the 95% bootstrap confidence interval of the relative change excludes zero; and
-3. for medians, also a two-sided Mann-Whitney U test gives p < ``Rule.alpha``;
-4. a tail quantile q is only called with at least ``Rule.min_tail_count`` requests
-   beyond it in both runs (n * (1 - q) >= 3: p99 needs 300 requests), since below
-   that the p99 is the run's maximum.
-
-Every comparison also reports ``mde_pct``: the minimum detectable effect, the change
-that would be detected with probability ``Rule.power`` at these sample sizes and this
-spread: (z(1 - alpha/2) + z(power)) * SE.
-
-When both runs served the same workload (same request ids and prompt lengths) the
-requests are paired and resampled together. Requests of one run are not
-independent: the ones that arrive in a burst queue together. So every CI is a
-moving-block bootstrap over the requests in arrival order (about 40 blocks per run),
-which keeps that correlation; an i.i.d. bootstrap or the Mann-Whitney p-value alone
-would call run-to-run differences of the tail significant. No scipy: the normal and
-Student t quantiles are computed here.
-
-Scale (docs/diagnose.md §2, "Large runs"): a resample costs O(n), so above ``Rule.max_boot_n``
-requests the quantile bootstrap resamples a thinning of them in arrival order (one request drawn
-at random from each of ``max_boot_n`` consecutive strata, the same positions on both sides when
-paired), with blocks covering the same spans of the run; its spread is that of an estimator on
-fewer requests, so at least the full sample's (a conservative CI and floor), and the CI is
-centred on the full sample's estimate. Sums and means (rates, goodput's share) are resampled
-exactly at any size, from prefix sums over the same blocks (``block_sums``).
+A metric's change is significant when it exceeds z * SE (SE**2 = the moving-block bootstrap
+variance of the relative change + run_se**2, the run-to-run spread measured on A/A runs), its 95 %
+interval excludes zero, a median's Mann-Whitney test agrees, and a tail quantile has enough
+requests beyond it; Holm's step-down controls the family of metrics. Every comparison reports its
+``mde_pct``. Large runs resample a thinning in arrival order. docs/diagnose.md §2 states the rule.
 
 (Over 400 lines: the rule, its bootstrap and the run-level t-test it falls back to with
 repetitions are one argument about when a change is real; docs/diagnose.md §2 reads against

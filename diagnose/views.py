@@ -22,7 +22,6 @@ server-side arrival (gateway arrival, else engine arrival).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import threading
@@ -38,6 +37,7 @@ from layerscope.diagnose import decompose, model
 from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.load import Run, load_run
 from layerscope.diagnose.report import summarize
+from layerscope.probes.reader import BundleError, read_manifest
 
 REQUEST_COLUMNS = ["request_id", "ttft_s", "tpot_s", "e2e_s", "queue_s", "num_preemptions", "replica", "status",
                    "dominant_layer", "num_prompt_tokens", "num_output_tokens"]
@@ -556,11 +556,9 @@ def find_runs(folder: str | Path) -> pd.DataFrame:
                     rows.append((p.name, str(p), None, None, None, None, "missing manifest.json"))
                 continue
             try:
-                m = json.loads(f.read_text())
-                if not isinstance(m, dict):
-                    raise ValueError("not a JSON object")
-            except (ValueError, UnicodeDecodeError) as e:
-                rows.append((p.name, str(p), None, None, None, None, f"corrupt manifest ({e})"))
+                m = read_manifest(p)
+            except BundleError as e:
+                rows.append((p.name, str(p), None, None, None, None, f"unreadable manifest ({e})"))
                 continue
             rows.append((p.name, str(p), m.get("run_id"), (m.get("workload") or {}).get("name"),
                          (m.get("summary") or {}).get("requests"), m.get("start_time"), None))

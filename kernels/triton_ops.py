@@ -1,36 +1,16 @@
 """Triton kernels for every op in ``reference.py`` (the ``triton`` backend).
 
-Same names, signatures and semantics as the torch reference ops. The kernels compile
-on CUDA; on CPU they run in Triton's interpreter (``TRITON_INTERPRET=1`` must be set
-before this module is imported), which is how the test-suite checks them.
+Same names, signatures and semantics as the torch reference ops. The kernels compile on CUDA; on
+CPU they run in Triton's interpreter (``TRITON_INTERPRET=1`` before this module is imported).
+Shared conventions: fp32 arithmetic, rounding at the reference's points (``_round_to``:
+round-to-nearest-even, which the interpreter's bf16 cast does not do); every access masked;
+``tl.dot`` tiles of at least 16 (head_dim and query-head groups padded); operands upcast to fp32
+in the interpreter, whose bf16 dot is wrong; no host sync in the attention wrappers, so decode can
+be captured in a CUDA graph.
 
-Conventions shared by every kernel:
-
-* loads are cast to fp32, arithmetic is fp32, results are rounded to the output dtype
-  on store. Where the reference rounds an intermediate to the activation dtype (HF
-  semantics: ``weight * normed.to(dtype)``, ``x * cos.to(dtype)``, ``silu(gate)`` in
-  the activation dtype) the kernels round at the same points with ``_round_to``, so
-  the elementwise ops match the reference bit for bit up to fp32 reduction order;
-* ``_round_to`` rounds to nearest-even explicitly for bf16 because the interpreter's
-  own fp32 -> bf16 cast truncates (on a GPU the explicit rounding is what the cast
-  does anyway);
-* every load and store is masked, block sizes are powers of two, ``tl.dot`` tiles are
-  at least 16 in every dimension (head_dim padded to a power of two >= 16, query-head
-  groups padded to 16 rows);
-* attention ``tl.dot`` runs on the native 16-bit operands on CUDA (fp32 accumulate);
-  for fp32 caches, and in the interpreter (whose bf16 dot is wrong), operands are
-  upcast to fp32 and the dot uses IEEE fp32 precision;
-* the attention wrappers never synchronise with the host (no ``.item()``/``.tolist()``),
-  so decode can be captured in a CUDA graph: grids are sized from tensor shapes and
-  programs with no work exit early.
-
-Why one ~650-line module: ``dispatch.get_kernel_ops("triton")`` loads exactly one module
-per backend, mirroring ``reference.py`` function for function; the sections below
-(RMSNorm, rotary, SiLU-and-mul, KV write, attention) are independent and each pairs
-its kernel with its wrapper.
-
-Why one file past 400 lines: one Triton kernel per reference op, each with its launcher, sharing
-the rounding and masking helpers below; they are read (and tested) side by side with reference.py.
+Why one file past 400 lines: ``dispatch.get_kernel_ops("triton")`` loads one module per backend,
+mirroring reference.py function for function; each section pairs its kernel with its launcher and
+shares the rounding and masking helpers.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ the run window (after - before), so figures are means per request unless named p
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,6 +23,7 @@ import pyarrow.parquet as pq
 from layerscope.diagnose.errors import RunError
 from layerscope.diagnose.external.exposition import Exposition, histogram_quantile, parse
 from layerscope.diagnose.external.names import CONCEPTS, NAMES, NOT_VISIBLE, Resolved, resolve
+from layerscope.probes.reader import BundleError, read_manifest
 from layerscope.probes.schema import LAYERS
 
 EXTERNAL_COMMANDS = ("bench", "watch", "import")
@@ -31,10 +31,9 @@ EXTERNAL_COMMANDS = ("bench", "watch", "import")
 
 def is_external(path: str | Path) -> bool:
     """True for bundles of a server we did not record from the inside (see module doc)."""
-    f = Path(path) / "manifest.json"
     try:
-        m = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        m = read_manifest(path)
+    except BundleError:
         return False
     if not isinstance(m, dict):
         return False
@@ -209,9 +208,9 @@ def load_external(path: str | Path) -> ExternalRun:
     if not p.is_dir():
         raise RunError(f"{p}: no such run bundle directory")
     try:
-        manifest = json.loads((p / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunError(f"{p / 'manifest.json'}: missing or corrupt ({e})") from None
+        manifest = read_manifest(p)
+    except BundleError as e:
+        raise RunError(str(e)) from None
     manifest.pop("faults", None)
     req = _read_table(p / "requests.parquet")
     if req is None:
