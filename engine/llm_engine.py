@@ -155,6 +155,7 @@ class LLMEngine:
         self._emitted: dict[str, int] = {}
         self._ids = itertools.count()
         self._clock = ThreadClock()  # the step loop's CPU and run-queue wait (read only when probes record)
+        self._work_due = 0  # monotonic ns from which a step reads them
 
     # ---- requests ----
     def add_request(
@@ -213,8 +214,10 @@ class LLMEngine:
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
         bm, sched, rec = self.block_manager, self.scheduler, self.recorder
-        timed = rec.enabled  # the thread's CPU and wait are read only when probes record
         t0 = time.monotonic_ns()
+        # the thread's CPU and wait: read only when probes record, on a step starting work_gap_ns or more
+        # after the last read one ended (4 syscalls, ~10 us: every step of a model whose steps take longer)
+        timed = rec.enabled and t0 >= self._work_due
         if timed:
             c0, w0 = _thread_ns(), self._clock.wait_ns()
         q0, h0, p0 = bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions
@@ -238,7 +241,7 @@ class LLMEngine:
             c1, w1 = _thread_ns(), self._clock.wait_ns()
         t3 = time.monotonic_ns()
 
-        if timed:  # nothing below runs with probes off
+        if rec.enabled:  # nothing below runs with probes off
             # per-request columns by C-level calls, the record one tuple (``tuple.__new__``: no Python
             # __init__): this runs every step, and in place (caches cold after the forward) at ~4x its
             # price in a warm loop. The scheduler's {request_id: tokens} is in the order it scheduled.
@@ -267,8 +270,12 @@ class LLMEngine:
             num_kv_blocks_total, num_preemptions = bm.num_blocks, sched.num_preemptions - p0
             num_prefix_queries, num_prefix_hits = bm.num_prefix_queries - q0, bm.num_prefix_hits - h0
             request_num_tokens, replica, sampled_ids = num_tokens, 0, sampled
-            cpu_ns, forward_cpu_ns = c1 - c0, fc1 - fc0
-            wait_ns, forward_wait_ns = (w1 - w0, fw1 - fw0) if w0 is not None else (None, None)
+            cpu_ns = forward_cpu_ns = wait_ns = forward_wait_ns = None
+            if timed:
+                self._work_due = t3 + rec.work_gap_ns
+                cpu_ns, forward_cpu_ns = c1 - c0, fc1 - fc0
+                if w0 is not None:
+                    wait_ns, forward_wait_ns = w1 - w0, fw1 - fw0
             rec.on_step(
                 _new_step(StepRecord, (
                     step_id, start_ns, end_ns, schedule_ns, prepare_ns, forward_ns, sample_ns, output_ns,

@@ -52,7 +52,7 @@ class StepRecord(NamedTuple):
     # request_ids list itself when every request of the step got one: read it, never mutate either)
     # the step loop thread's CPU time (time.thread_time_ns) and run-queue wait (/proc schedstat's 2nd
     # field) over the step, and over the model's execution (prepare, forward, sample: the executor's call);
-    # None where not measured (probes off, or schedstat unreadable for the waits)
+    # None where not measured (probes off, a step inside Recorder.work_gap_ns, schedstat unreadable)
     cpu_ns: int | None = None
     wait_ns: int | None = None
     forward_cpu_ns: int | None = None
@@ -101,6 +101,10 @@ class RunRecorder:
 
 class Recorder(RunRecorder):
     """One engine replica's recorder (no-op base); probes override what they record."""
+
+    # a step reads the step loop thread's CPU and wait (StepRecord.cpu_ns ..) when it starts this long
+    # after the last step that read them ended (0: every step)
+    work_gap_ns: int = 0
 
     # ---- engine steps (hot path) ----
     def should_time_layers(self, step_id: int) -> bool:

@@ -17,6 +17,7 @@ from layerscope.engine.llm_engine import LLMEngine
 from layerscope.engine.recorder import StepRecord
 from layerscope.probes import schema
 from layerscope.probes.reader import read_bundle
+from layerscope.probes.recorder import WORK_GAP_NS
 
 from .conftest import ENGINE, params, prompts
 
@@ -45,8 +46,15 @@ def test_the_misalignment_check_can_fail():
 
 
 def test_steps_carry_the_loop_threads_work_and_wait(default_run):
-    steps = read_bundle(default_run.bundle).table("steps").to_pylist()
-    assert steps and all(s[c] is not None for s in steps for c in schema.WORK_COLUMNS)
+    every = read_bundle(default_run.bundle).table("steps").to_pylist()
+    steps = [s for s in every if s["cpu_ns"] is not None]
+    assert all(s[c] is not None for s in steps for c in schema.WORK_COLUMNS)
+    # default probes: a step WORK_GAP_NS or more after the last measured one's end, and only those
+    assert 3 <= len(steps) < len(every)
+    for prev, s in zip(steps, steps[1:]):
+        assert s["start_ns"] >= prev["end_ns"] + WORK_GAP_NS
+        skipped = [u for u in every if prev["end_ns"] <= u["start_ns"] < s["start_ns"]]
+        assert all(u["start_ns"] < prev["end_ns"] + WORK_GAP_NS for u in skipped), (prev, s)
     slack = 20_000  # ns: the clocks are read inside the wall clock's reads (one read's cost of slack)
     for s in steps:
         wall = s["end_ns"] - s["start_ns"]
@@ -73,6 +81,7 @@ def test_a_hog_on_the_engine_threads_core_is_wait_not_work(tiny_model, tmp_path)
 
     def run() -> tuple[int, int, int]:
         rec = ProbeRecorder()
+        rec.work_gap_ns = 0  # every step
         engine = LLMEngine(EngineConfig(model=str(tiny_model), **ENGINE), recorder=rec)
         rec.start()
         for i, p in enumerate(prompts(8)):
@@ -81,6 +90,7 @@ def test_a_hog_on_the_engine_threads_core_is_wait_not_work(tiny_model, tmp_path)
             engine.step()
         rec.stop()
         steps = rec._steps
+        assert all(s.cpu_ns is not None for s in steps)
         engine.shutdown()
         return (sum(s.cpu_ns for s in steps), sum(s.wait_ns for s in steps),
                 sum(s.end_ns - s.start_ns for s in steps))
