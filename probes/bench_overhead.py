@@ -46,8 +46,11 @@ import time
 from pathlib import Path
 
 from layerscope.engine.gateway.replica import METRICS_INTERVAL_S
+from layerscope.probes.recorder import WORK_GAP_NS
 
-LEVELS = ("off", "default", "full", "rolling")  # rolling: default probes shipping, drained at every push
+LEVELS = ("off", "default", "full", "rolling", "rolling-every")  # rolling: default probes shipping, drained at
+# every push; rolling-every: the same reading the step loop's CPU and wait on every step (work_gap_ns 0, as full
+# probes do), against rolling's one step in WORK_GAP_NS: what those reads cost
 # two-sided 95% Student t quantiles by degrees of freedom (no scipy here)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
@@ -162,13 +165,16 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int, push_
     from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
 
-    probes = "default" if level == "rolling" else level
+    rolling = level.startswith("rolling")
+    probes = "default" if rolling else level
     rec = Recorder() if level == "off" else ProbeRecorder(
         probes, model_name="bench", layer_timing_interval=interval, trace_dir=trace_dir / f"{level}-{time.time_ns()}",
-        profile_every_steps=64, profile_num_steps=2, ship_records=level == "rolling")
+        profile_every_steps=64, profile_num_steps=2, ship_records=rolling)
+    if level == "rolling-every":
+        rec.work_gap_ns = 0
     # rolling: a shipping replica's snapshots carry its drain; off (a replica's recorder has no families
     # then), default and full: the engine's stats alone
-    _replica_loop(llm.engine, push_interval_s, _pusher(gateway, llm.engine, rec.drain if level == "rolling" else None))
+    _replica_loop(llm.engine, push_interval_s, _pusher(gateway, llm.engine, rec.drain if rolling else None))
     engine = llm.engine
     engine.recorder = rec
     if level != "off":
@@ -184,7 +190,7 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int, push_
     if level != "off":
         rec.stop()
         t1 = time.perf_counter()
-        if level == "rolling":  # the gateway's side: the replica's metrics fed, the parts written (there)
+        if rolling:  # the gateway's side: the replica's metrics fed, the parts written (there)
             build_s, received = gateway.build(f"rolling-{time.time_ns()}")
             if not received:
                 raise RuntimeError("rolling: no drain reached the gateway side")
@@ -338,7 +344,7 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
 
     print(f"{steps} engine steps per run, {num_tokens} output tokens per run; overhead = 1 - level/off within "
           f"a rep, mean over {args.reps} reps ±95% CI (min..max); best = 1 - best level run / best off run")
-    print(f"{'level':<8} {'tok/s median':>12} {'overhead (wall)':>28} {'best':>6} {'tok/cpu-s median':>17} "
+    print(f"{'level':<13} {'tok/s median':>12} {'overhead (wall)':>28} {'best':>6} {'tok/cpu-s median':>17} "
           f"{'overhead (CPU time)':>28} {'best':>6} {'build_s':>8}")
     for level in levels:
         cells = []
@@ -350,8 +356,13 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
             best = 1 - max(series[level]) / max(series["off"])
             cells.append(f"{m * 100:6.2f}% ±{h * 100:5.2f} ({a * 100:5.1f}..{b * 100:4.1f})".rjust(28)
                          + f" {best * 100:5.1f}%")
-        print(f"{level:<8} {statistics.median(wall[level]):12.1f} {cells[0]} {statistics.median(cpu[level]):17.1f} "
+        print(f"{level:<13} {statistics.median(wall[level]):12.1f} {cells[0]} {statistics.median(cpu[level]):17.1f} "
               f"{cells[1]} {statistics.median(build[level]):8.3f}", flush=True)
+    if "rolling" in levels and "rolling-every" in levels:
+        (mw, hw, *_), (mc, hc, *_) = (paired_overhead(series["rolling-every"], series["rolling"]) for series in (wall, cpu))
+        print(f"rolling-every against rolling (the step loop's CPU and wait read on every step, not one in "
+              f"{WORK_GAP_NS / 1e6:g} ms): {mw * 100:.2f}% ±{hw * 100:.2f} (wall), {mc * 100:.2f}% ±{hc * 100:.2f} "
+              "(CPU time)", flush=True)
     hooks, gen_s, steps, per_call, warm, upper, built = _hook_time(llm, prompts, params, interval, every, gateway)
     total = sum(hooks.values())
     print(f"rolling, hooks timed (wall clock): {total * 1e6 / steps:.1f} us per step in recorder hooks "
