@@ -185,16 +185,19 @@ def cells(pairs: list[Pair]) -> dict[tuple[str, str, str], list[Pair]]:
     return out
 
 
-def report(pairs: list[Pair], file=sys.stdout) -> dict[str, tuple[int, int]]:
-    """Per cell: the pairs' outcomes; then the totals against the acceptance rates."""
-    print(f"{'layer':20s} {'size':8s} {'noise':10s} {'fault':26s} {'named':>6s}  outcomes", file=file)
+def report(pairs: list[Pair], file=sys.stdout, header: bool = True) -> dict[str, tuple[int, int]]:
+    """Per cell: the pairs' outcomes; then (``header``) the totals against the acceptance rates."""
+    if header:
+        print(f"{'layer':20s} {'size':8s} {'noise':10s} {'fault':26s} {'named':>6s}  outcomes", file=file)
     for (kind, size, noise), ps in cells(pairs).items():
         done = [p for p in ps if not p.error]
         outs = "; ".join(f"{p.outcome} ({p.delta_pct:+.0f}% mde {p.mde_pct:.0f}%)" if p.delta_pct is not None
                          and p.mde_pct is not None else (p.outcome or f"ERR {p.error[:40]}") for p in ps)
         print(f"{kind:20s} {size:8s} {noise:10s} {ps[0].fault:26s} {sum(p.ok for p in done)}/{len(done):<4d}  {outs}",
               file=file)
-    totals = {}
+    totals: dict[str, tuple[int, int]] = {}
+    if not header:
+        return totals
     for label, want, sel in (("visible named", 0.90, lambda p: p.size == "visible"),
                              ("middle named or inconclusive-first", 1.0, lambda p: p.size == "middle"),
                              ("A/A no software regression", 0.95, lambda p: p.kind == "A/A")):
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                     ms = size_ms(slow, size, cal)
                     p = Pair(layer, size, nz, rep, fault=f"{slow.fault}={ms:.2f}ms")
                     pairs.append(run_pair(st, p, kwargs(slow, None), kwargs(slow, ms), slow.metric))
-                    report(pairs[-1:], sys.stderr)
+                    report(pairs[-1:], sys.stderr, header=False)
             if rep < args.aa_reps and not (nz == "none" and rep == 0):  # the calibration was rep 0's
                 pairs.append(run_pair(st, Pair("A/A", "aa", nz, rep), kwargs(None, None), kwargs(None, None),
                                       "tpot_p50_s"))
