@@ -41,6 +41,16 @@ _new_step = tuple.__new__  # StepRecord from the tuple of its fields, in C
 _thread_ns, _pread, _ident = time.thread_time_ns, os.pread, threading.get_ident
 
 
+_NOT_READ = (None, None, None, None)
+
+
+def work(start, end, fwd_start, fwd_end) -> tuple:
+    """(cpu_ns, wait_ns, forward_cpu_ns, forward_wait_ns) from four ``ThreadClock.read()``s."""
+    waits = start[1] is not None
+    return (end[0] - start[0], end[1] - start[1] if waits else None,
+            fwd_end[0] - fwd_start[0], fwd_end[1] - fwd_start[1] if waits else None)
+
+
 class ThreadClock:
     """The calling thread's CPU time and run-queue wait (2nd field of its /proc schedstat), in ns.
 
@@ -53,11 +63,13 @@ class ThreadClock:
     def __init__(self):
         self.fd, self.ident = -1, None
 
-    def wait_ns(self) -> int | None:
-        """This thread's run-queue wait so far (None where schedstat is unreadable)."""
+    def read(self) -> tuple[int, int | None]:
+        """This thread's CPU time and run-queue wait so far (the wait None where schedstat is unreadable).
+        A wait is counted when the thread is back on a CPU, so the engine reads these inside its wall
+        clock's reads: one read between would count a wait whole that does not lie in the wall."""
         if self.ident != _ident():
             self._open()
-        return int(_pread(self.fd, 64, 0).split()[1]) if self.fd >= 0 else None
+        return _thread_ns(), (int(_pread(self.fd, 64, 0).split()[1]) if self.fd >= 0 else None)
 
     def _open(self) -> None:
         if self.fd >= 0:
@@ -217,9 +229,8 @@ class LLMEngine:
         t0 = time.monotonic_ns()
         # the thread's CPU and wait: read only when probes record, on a step starting work_gap_ns or more
         # after the last read one ended (4 syscalls, ~10 us: every step of a model whose steps take longer)
-        timed = rec.enabled and t0 >= self._work_due
-        if timed:
-            c0, w0 = _thread_ns(), self._clock.wait_ns()
+        timed, clock = rec.enabled and t0 >= self._work_due, self._clock
+        r0 = clock.read() if timed else None
         q0, h0, p0 = bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions
         out = self._schedule()
         t1 = time.monotonic_ns()
@@ -227,20 +238,15 @@ class LLMEngine:
             return []
         step_id = out.step_id
         time_layers = rec.should_time_layers(step_id)
-        if timed:
-            fc0, fw0 = _thread_ns(), self._clock.wait_ns()
+        r1 = clock.read() if timed else None
         with rec.step_context(step_id, out.scheduled):
             runner_out = self.executor.execute_model(out, time_layers)
-        # the clocks are read inside the wall clock's reads: a wait counts when the thread is back on a
-        # CPU, so one between a wall read and a clock read would count whole without lying in the wall
-        if timed:
-            fc1, fw1 = _thread_ns(), self._clock.wait_ns()
+        # inside the wall clock's reads: a wait counts once the thread is back on a CPU (ThreadClock)
+        r2 = clock.read() if timed else None
         t2 = time.monotonic_ns()
         outputs = self._process_outputs(out, runner_out)
-        if timed:
-            c1, w1 = _thread_ns(), self._clock.wait_ns()
+        r3 = clock.read() if timed else None
         t3 = time.monotonic_ns()
-
         if rec.enabled:  # nothing below runs with probes off
             # per-request columns by C-level calls, the record one tuple (``tuple.__new__``: no Python
             # __init__): this runs every step, and in place (caches cold after the forward) at ~4x its
@@ -270,12 +276,9 @@ class LLMEngine:
             num_kv_blocks_total, num_preemptions = bm.num_blocks, sched.num_preemptions - p0
             num_prefix_queries, num_prefix_hits = bm.num_prefix_queries - q0, bm.num_prefix_hits - h0
             request_num_tokens, replica, sampled_ids = num_tokens, 0, sampled
-            cpu_ns = forward_cpu_ns = wait_ns = forward_wait_ns = None
+            cpu_ns, wait_ns, forward_cpu_ns, forward_wait_ns = work(r0, r3, r1, r2) if timed else _NOT_READ
             if timed:
                 self._work_due = t3 + rec.work_gap_ns
-                cpu_ns, forward_cpu_ns = c1 - c0, fc1 - fc0
-                if w0 is not None:
-                    wait_ns, forward_wait_ns = w1 - w0, fw1 - fw0
             rec.on_step(
                 _new_step(StepRecord, (
                     step_id, start_ns, end_ns, schedule_ns, prepare_ns, forward_ns, sample_ns, output_ns,
