@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from layerscope.engine.gateway.replica import METRICS_INTERVAL_S
 from layerscope.probes.recorder import WORK_GAP_NS
@@ -215,11 +216,12 @@ _HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", 
 
 
 def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
-               gateway: _Gateway) -> tuple[dict[str, float], float, int, float, float, float, float]:
+               gateway: _Gateway) -> tuple[dict[str, float], float, int, float, float, float, float, int]:
     """One rolling run (default probes, drained with every push to the gateway's queue) with every
     recorder hook timed on the wall clock: (seconds per hook and generate seconds, the timing's cost in
     the step loop subtracted; steps; the timing's own cost per call in the step loop and in a loop of
-    no-ops (us); the hooks' total with the latter subtracted (s); the engine's StepRecord building (s)).
+    no-ops (us); the hooks' total with the latter subtracted (s); the engine's StepRecord building (s);
+    the engine's clock reads (``clock.read`` among the hooks: ThreadClock.read calls)).
 
     A direct measure of what the step loop pays the probes, free of run-to-run noise (it leaves out
     the sampled layer timings and the garbage collector's passes that the records trigger elsewhere)."""
@@ -252,6 +254,21 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
     spent["timer"] = calls["timer"] = 0
     for name in _HOOKS:
         setattr(rec, name, wrap(getattr(rec, name), name))
+    # the engine's reads of the step loop thread's CPU and wait (ThreadClock.read, four on a step that
+    # reads them: one in WORK_GAP_NS), timed on the thread's CPU clock: a read is two syscalls, whose wall
+    # time on a loaded machine holds whatever wait lands in them (measured 120 us a read at load 18)
+    engine = llm.engine
+    clock, spent["clock.read"], calls["clock.read"] = engine._clock, 0, 0
+
+    def cpu_timed_read():
+        t = time.thread_time_ns()
+        try:
+            return clock.read()
+        finally:
+            spent["clock.read"] += time.thread_time_ns() - t
+            calls["clock.read"] += 1
+
+    engine._clock = SimpleNamespace(read=cpu_timed_read)
     timed_step = rec.on_step
     # drain() timed; the stats and the queue's put, which a replica makes with probes off too, not
     push = _pusher(gateway, llm.engine, rec.drain)
@@ -266,7 +283,6 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
         timed_step(step, layer_times)
 
     rec.on_step = on_step_draining
-    engine = llm.engine
     _replica_loop(engine, push_interval_s, push)
     engine.recorder = rec
     rec.configure(llm.config, engine.resolved)
@@ -279,7 +295,7 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
     rec.stop()
     rec.shutdown()
     del engine.step
-    engine.recorder = Recorder()
+    engine.recorder, engine._clock = Recorder(), clock
     gateway.build(f"hooks-{time.time_ns()}")
     steps = engine.scheduler.step_id - s0
     per_call = spent.pop("timer") / max(calls.pop("timer"), 1)
@@ -290,7 +306,7 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
     upper = (sum(spent.values()) - timed_calls * warm_per_call) / 1e9
     return ({k: max(v - calls[k] * per_call, 0) / 1e9 for k, v in spent.items()},
             gen_s - (timed_calls + steps) * per_call / 1e9, steps, per_call / 1e3, warm_per_call / 1e3, upper,
-            built[0] / 1e9)
+            built[0] / 1e9, calls["clock.read"])
 
 
 def bench_model(model: str, label: str, args, num_requests: int, levels: list[str], tmp: Path) -> None:
@@ -363,13 +379,15 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
         print(f"rolling-every against rolling (the step loop's CPU and wait read on every step, not one in "
               f"{WORK_GAP_NS / 1e6:g} ms): {mw * 100:.2f}% ±{hw * 100:.2f} (wall), {mc * 100:.2f}% ±{hc * 100:.2f} "
               "(CPU time)", flush=True)
-    hooks, gen_s, steps, per_call, warm, upper, built = _hook_time(llm, prompts, params, interval, every, gateway)
+    hooks, gen_s, steps, per_call, warm, upper, built, reads = _hook_time(llm, prompts, params, interval, every,
+                                                                          gateway)
     total = sum(hooks.values())
     print(f"rolling, hooks timed (wall clock): {total * 1e6 / steps:.1f} us per step in recorder hooks "
           f"(drain included; the snapshot's put, made with probes off too, not) = {total / gen_s * 100:.2f}% of "
           "generate time "
           f"({gen_s * 1e3 / steps:.2f} ms per step); per step: "
           + ", ".join(f"{k} {v * 1e6 / steps:.1f} us" for k, v in hooks.items())
+          + f" (clock.read: {hooks['clock.read'] * 1e6 / max(reads, 1):.2f} us a read, {reads / steps:.2f} reads a step)"
           + f"; the timing's own cost subtracted: {per_call:.2f} us a call, measured in the step loop "
           f"(with a loop of no-ops' {warm:.2f} us a call subtracted instead: {upper / gen_s * 100:.2f}%, an upper "
           "bound)", flush=True)
