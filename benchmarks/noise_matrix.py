@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             if rep < args.aa_reps and not (nz == "none" and rep == 0):  # the calibration was rep 0's
                 pairs.append(run_pair(st, Pair("A/A", "aa", nz, rep), kwargs(None, None), kwargs(None, None),
                                       "tpot_p50_s"))
+                report(pairs[-1:], sys.stderr, header=False)
     totals = report(pairs)
     if args.json:
         Path(args.json).write_text(json.dumps({"calibration": cal, "pairs": [asdict(p) for p in pairs]}, indent=1))
