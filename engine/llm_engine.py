@@ -272,7 +272,8 @@ class LLMEngine:
             num_prefill_seqs, num_prefill_tokens = len(num_tokens) - num_decode, num_batched - num_decode
             num_decode_seqs = num_decode_tokens = num_decode
             # the properties' lens, without their calls
-            num_running, num_waiting, num_kv_blocks_free = len(sched.running), len(sched.waiting), len(bm.free_block_queue)
+            num_running, num_waiting = len(sched.running), len(sched.waiting)
+            num_kv_blocks_free = len(bm.free_block_queue)
             num_kv_blocks_total, num_preemptions = bm.num_blocks, sched.num_preemptions - p0
             num_prefix_queries, num_prefix_hits = bm.num_prefix_queries - q0, bm.num_prefix_hits - h0
             request_num_tokens, replica, sampled_ids = num_tokens, 0, sampled

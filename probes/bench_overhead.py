@@ -375,7 +375,8 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
         print(f"{level:<13} {statistics.median(wall[level]):12.1f} {cells[0]} {statistics.median(cpu[level]):17.1f} "
               f"{cells[1]} {statistics.median(build[level]):8.3f}", flush=True)
     if "rolling" in levels and "rolling-every" in levels:
-        (mw, hw, *_), (mc, hc, *_) = (paired_overhead(series["rolling-every"], series["rolling"]) for series in (wall, cpu))
+        (mw, hw, *_), (mc, hc, *_) = (paired_overhead(series["rolling-every"], series["rolling"])
+                                      for series in (wall, cpu))
         print(f"rolling-every against rolling (the step loop's CPU and wait read on every step, not one in "
               f"{WORK_GAP_NS / 1e6:g} ms): {mw * 100:.2f}% ±{hw * 100:.2f} (wall), {mc * 100:.2f}% ±{hc * 100:.2f} "
               "(CPU time)", flush=True)
@@ -387,7 +388,8 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
           "generate time "
           f"({gen_s * 1e3 / steps:.2f} ms per step); per step: "
           + ", ".join(f"{k} {v * 1e6 / steps:.1f} us" for k, v in hooks.items())
-          + f" (clock.read: {hooks['clock.read'] * 1e6 / max(reads, 1):.2f} us a read, {reads / steps:.2f} reads a step)"
+          + f" (clock.read: {hooks['clock.read'] * 1e6 / max(reads, 1):.2f} us of CPU a read, "
+          f"{reads / steps:.2f} reads a step)"
           + f"; the timing's own cost subtracted: {per_call:.2f} us a call, measured in the step loop "
           f"(with a loop of no-ops' {warm:.2f} us a call subtracted instead: {upper / gen_s * 100:.2f}%, an upper "
           "bound)", flush=True)
