@@ -44,10 +44,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from layerscope.engine.gateway.replica import METRICS_INTERVAL_S
+from layerscope.probes.recorder import WORK_GAP_NS
 
-LEVELS = ("off", "default", "full", "rolling")  # rolling: default probes shipping, drained at every push
+LEVELS = ("off", "default", "full", "rolling", "rolling-every")  # rolling: default probes shipping, drained at
+# every push; rolling-every: the same reading the step loop's CPU and wait on every step (work_gap_ns 0, as full
+# probes do), against rolling's one step in WORK_GAP_NS: what those reads cost
 # two-sided 95% Student t quantiles by degrees of freedom (no scipy here)
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
@@ -162,13 +166,16 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int, push_
     from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
 
-    probes = "default" if level == "rolling" else level
+    rolling = level.startswith("rolling")
+    probes = "default" if rolling else level
     rec = Recorder() if level == "off" else ProbeRecorder(
         probes, model_name="bench", layer_timing_interval=interval, trace_dir=trace_dir / f"{level}-{time.time_ns()}",
-        profile_every_steps=64, profile_num_steps=2, ship_records=level == "rolling")
+        profile_every_steps=64, profile_num_steps=2, ship_records=rolling)
+    if level == "rolling-every":
+        rec.work_gap_ns = 0
     # rolling: a shipping replica's snapshots carry its drain; off (a replica's recorder has no families
     # then), default and full: the engine's stats alone
-    _replica_loop(llm.engine, push_interval_s, _pusher(gateway, llm.engine, rec.drain if level == "rolling" else None))
+    _replica_loop(llm.engine, push_interval_s, _pusher(gateway, llm.engine, rec.drain if rolling else None))
     engine = llm.engine
     engine.recorder = rec
     if level != "off":
@@ -184,7 +191,7 @@ def _run(llm, level: str, prompts, params, trace_dir: Path, interval: int, push_
     if level != "off":
         rec.stop()
         t1 = time.perf_counter()
-        if level == "rolling":  # the gateway's side: the replica's metrics fed, the parts written (there)
+        if rolling:  # the gateway's side: the replica's metrics fed, the parts written (there)
             build_s, received = gateway.build(f"rolling-{time.time_ns()}")
             if not received:
                 raise RuntimeError("rolling: no drain reached the gateway side")
@@ -209,11 +216,12 @@ _HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", 
 
 
 def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
-               gateway: _Gateway) -> tuple[dict[str, float], float, int, float, float, float, float]:
+               gateway: _Gateway) -> tuple[dict[str, float], float, int, float, float, float, float, int]:
     """One rolling run (default probes, drained with every push to the gateway's queue) with every
     recorder hook timed on the wall clock: (seconds per hook and generate seconds, the timing's cost in
     the step loop subtracted; steps; the timing's own cost per call in the step loop and in a loop of
-    no-ops (us); the hooks' total with the latter subtracted (s); the engine's StepRecord building (s)).
+    no-ops (us); the hooks' total with the latter subtracted (s); the engine's StepRecord building (s);
+    the engine's clock reads (``clock.read`` among the hooks: ThreadClock.read calls)).
 
     A direct measure of what the step loop pays the probes, free of run-to-run noise (it leaves out
     the sampled layer timings and the garbage collector's passes that the records trigger elsewhere)."""
@@ -246,6 +254,21 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
     spent["timer"] = calls["timer"] = 0
     for name in _HOOKS:
         setattr(rec, name, wrap(getattr(rec, name), name))
+    # the engine's reads of the step loop thread's CPU and wait (ThreadClock.read, four on a step that
+    # reads them: one in WORK_GAP_NS), timed on the thread's CPU clock: a read is two syscalls, whose wall
+    # time on a loaded machine holds whatever wait lands in them (measured 120 us a read at load 18)
+    engine = llm.engine
+    clock, spent["clock.read"], calls["clock.read"] = engine._clock, 0, 0
+
+    def cpu_timed_read():
+        t = time.thread_time_ns()
+        try:
+            return clock.read()
+        finally:
+            spent["clock.read"] += time.thread_time_ns() - t
+            calls["clock.read"] += 1
+
+    engine._clock = SimpleNamespace(read=cpu_timed_read)
     timed_step = rec.on_step
     # drain() timed; the stats and the queue's put, which a replica makes with probes off too, not
     push = _pusher(gateway, llm.engine, rec.drain)
@@ -260,7 +283,6 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
         timed_step(step, layer_times)
 
     rec.on_step = on_step_draining
-    engine = llm.engine
     _replica_loop(engine, push_interval_s, push)
     engine.recorder = rec
     rec.configure(llm.config, engine.resolved)
@@ -273,7 +295,7 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
     rec.stop()
     rec.shutdown()
     del engine.step
-    engine.recorder = Recorder()
+    engine.recorder, engine._clock = Recorder(), clock
     gateway.build(f"hooks-{time.time_ns()}")
     steps = engine.scheduler.step_id - s0
     per_call = spent.pop("timer") / max(calls.pop("timer"), 1)
@@ -284,7 +306,7 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
     upper = (sum(spent.values()) - timed_calls * warm_per_call) / 1e9
     return ({k: max(v - calls[k] * per_call, 0) / 1e9 for k, v in spent.items()},
             gen_s - (timed_calls + steps) * per_call / 1e9, steps, per_call / 1e3, warm_per_call / 1e3, upper,
-            built[0] / 1e9)
+            built[0] / 1e9, calls["clock.read"])
 
 
 def bench_model(model: str, label: str, args, num_requests: int, levels: list[str], tmp: Path) -> None:
@@ -338,7 +360,7 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
 
     print(f"{steps} engine steps per run, {num_tokens} output tokens per run; overhead = 1 - level/off within "
           f"a rep, mean over {args.reps} reps ±95% CI (min..max); best = 1 - best level run / best off run")
-    print(f"{'level':<8} {'tok/s median':>12} {'overhead (wall)':>28} {'best':>6} {'tok/cpu-s median':>17} "
+    print(f"{'level':<13} {'tok/s median':>12} {'overhead (wall)':>28} {'best':>6} {'tok/cpu-s median':>17} "
           f"{'overhead (CPU time)':>28} {'best':>6} {'build_s':>8}")
     for level in levels:
         cells = []
@@ -350,15 +372,24 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
             best = 1 - max(series[level]) / max(series["off"])
             cells.append(f"{m * 100:6.2f}% ±{h * 100:5.2f} ({a * 100:5.1f}..{b * 100:4.1f})".rjust(28)
                          + f" {best * 100:5.1f}%")
-        print(f"{level:<8} {statistics.median(wall[level]):12.1f} {cells[0]} {statistics.median(cpu[level]):17.1f} "
+        print(f"{level:<13} {statistics.median(wall[level]):12.1f} {cells[0]} {statistics.median(cpu[level]):17.1f} "
               f"{cells[1]} {statistics.median(build[level]):8.3f}", flush=True)
-    hooks, gen_s, steps, per_call, warm, upper, built = _hook_time(llm, prompts, params, interval, every, gateway)
+    if "rolling" in levels and "rolling-every" in levels:
+        (mw, hw, *_), (mc, hc, *_) = (paired_overhead(series["rolling-every"], series["rolling"])
+                                      for series in (wall, cpu))
+        print(f"rolling-every against rolling (the step loop's CPU and wait read on every step, not one in "
+              f"{WORK_GAP_NS / 1e6:g} ms): {mw * 100:.2f}% ±{hw * 100:.2f} (wall), {mc * 100:.2f}% ±{hc * 100:.2f} "
+              "(CPU time)", flush=True)
+    hooks, gen_s, steps, per_call, warm, upper, built, reads = _hook_time(llm, prompts, params, interval, every,
+                                                                          gateway)
     total = sum(hooks.values())
     print(f"rolling, hooks timed (wall clock): {total * 1e6 / steps:.1f} us per step in recorder hooks "
           f"(drain included; the snapshot's put, made with probes off too, not) = {total / gen_s * 100:.2f}% of "
           "generate time "
           f"({gen_s * 1e3 / steps:.2f} ms per step); per step: "
           + ", ".join(f"{k} {v * 1e6 / steps:.1f} us" for k, v in hooks.items())
+          + f" (clock.read: {hooks['clock.read'] * 1e6 / max(reads, 1):.2f} us of CPU a read, "
+          f"{reads / steps:.2f} reads a step)"
           + f"; the timing's own cost subtracted: {per_call:.2f} us a call, measured in the step loop "
           f"(with a loop of no-ops' {warm:.2f} us a call subtracted instead: {upper / gen_s * 100:.2f}%, an upper "
           "bound)", flush=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import threading
 import time
 from operator import attrgetter
 from typing import Any, Sequence
@@ -36,6 +38,52 @@ logger = logging.getLogger(__name__)
 
 _REQUEST_ID, _IS_PREFILL = attrgetter("request_id"), attrgetter("is_prefill")
 _new_step = tuple.__new__  # StepRecord from the tuple of its fields, in C
+_thread_ns, _pread, _ident = time.thread_time_ns, os.pread, threading.get_ident
+
+
+_NOT_READ = (None, None, None, None)
+
+
+def work(start, end, fwd_start, fwd_end) -> tuple:
+    """(cpu_ns, wait_ns, forward_cpu_ns, forward_wait_ns) from four ``ThreadClock.read()``s."""
+    waits = start[1] is not None
+    return (end[0] - start[0], end[1] - start[1] if waits else None,
+            fwd_end[0] - fwd_start[0], fwd_end[1] - fwd_start[1] if waits else None)
+
+
+class ThreadClock:
+    """The calling thread's CPU time and run-queue wait (2nd field of its /proc schedstat), in ns.
+
+    The step loop reads both at its step's edges and around the model's execution: wall = CPU + wait +
+    off-CPU-not-runnable (sleeps, barriers), so the wait is time lost to a busy machine. The schedstat
+    fd stays open (one pread a read); it names one thread, so a step on another thread reopens it."""
+
+    __slots__ = ("fd", "ident")
+
+    def __init__(self):
+        self.fd, self.ident = -1, None
+
+    def read(self) -> tuple[int, int | None]:
+        """This thread's CPU time and run-queue wait so far (the wait None where schedstat is unreadable).
+        A wait is counted when the thread is back on a CPU, so the engine reads these inside its wall
+        clock's reads: one read between would count a wait whole that does not lie in the wall."""
+        if self.ident != _ident():
+            self._open()
+        return _thread_ns(), (int(_pread(self.fd, 64, 0).split()[1]) if self.fd >= 0 else None)
+
+    def _open(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.ident = _ident()
+        try:
+            self.fd = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+        except OSError:  # no schedstat (not Linux, or schedstats disabled)
+            self.fd = -1
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class LLMEngine:
@@ -118,6 +166,8 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._emitted: dict[str, int] = {}
         self._ids = itertools.count()
+        self._clock = ThreadClock()  # the step loop's CPU and run-queue wait (read only when probes record)
+        self._work_due = 0  # monotonic ns from which a step reads them
 
     # ---- requests ----
     def add_request(
@@ -175,22 +225,28 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        bm, sched = self.block_manager, self.scheduler
+        bm, sched, rec = self.block_manager, self.scheduler, self.recorder
         t0 = time.monotonic_ns()
+        # the thread's CPU and wait: read only when probes record, on a step starting work_gap_ns or more
+        # after the last read one ended (4 reads, ~40 us in place: every step where steps take longer)
+        timed, clock = rec.enabled and t0 >= self._work_due, self._clock
+        r0 = clock.read() if timed else None
         q0, h0, p0 = bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions
         out = self._schedule()
         t1 = time.monotonic_ns()
         if out.is_empty:
             return []
         step_id = out.step_id
-        time_layers = self.recorder.should_time_layers(step_id)
-        with self.recorder.step_context(step_id, out.scheduled):
+        time_layers = rec.should_time_layers(step_id)
+        r1 = clock.read() if timed else None
+        with rec.step_context(step_id, out.scheduled):
             runner_out = self.executor.execute_model(out, time_layers)
+        # inside the wall clock's reads: a wait counts once the thread is back on a CPU (ThreadClock)
+        r2 = clock.read() if timed else None
         t2 = time.monotonic_ns()
         outputs = self._process_outputs(out, runner_out)
+        r3 = clock.read() if timed else None
         t3 = time.monotonic_ns()
-
-        rec = self.recorder
         if rec.enabled:  # nothing below runs with probes off
             # per-request columns by C-level calls, the record one tuple (``tuple.__new__``: no Python
             # __init__): this runs every step, and in place (caches cold after the forward) at ~4x its
@@ -210,16 +266,28 @@ class LLMEngine:
             else:
                 sampled = list(map(_REQUEST_ID, outputs))
                 num_decode = list(map(_IS_PREFILL, out.scheduled)).count(False)  # a decode computes one token
+            # every field by its name, in StepRecord's order (a test reads this tuple against _fields)
+            start_ns, end_ns, schedule_ns, output_ns = t0, t3, t1 - t0, t3 - t2
+            prepare_ns, forward_ns, sample_ns = runner_out.prepare_ns, runner_out.forward_ns, runner_out.sample_ns
+            num_prefill_seqs, num_prefill_tokens = len(num_tokens) - num_decode, num_batched - num_decode
+            num_decode_seqs = num_decode_tokens = num_decode
+            # the properties' lens, without their calls
+            num_running, num_waiting = len(sched.running), len(sched.waiting)
+            num_kv_blocks_free = len(bm.free_block_queue)
+            num_kv_blocks_total, num_preemptions = bm.num_blocks, sched.num_preemptions - p0
+            num_prefix_queries, num_prefix_hits = bm.num_prefix_queries - q0, bm.num_prefix_hits - h0
+            request_num_tokens, replica, sampled_ids = num_tokens, 0, sampled
+            cpu_ns, wait_ns, forward_cpu_ns, forward_wait_ns = work(r0, r3, r1, r2) if timed else _NOT_READ
+            if timed:
+                self._work_due = t3 + rec.work_gap_ns
             rec.on_step(
-                _new_step(StepRecord, (  # StepRecord's fields in order
-                    step_id, t0, t3,  # step_id, start_ns, end_ns
-                    t1 - t0, runner_out.prepare_ns, runner_out.forward_ns, runner_out.sample_ns, t3 - t2,  # phases
-                    len(num_tokens) - num_decode, num_batched - num_decode,  # num_prefill_seqs, num_prefill_tokens
-                    num_decode, num_decode,  # num_decode_seqs, num_decode_tokens
-                    # num_running, num_waiting, num_kv_blocks_free (the properties' lens, without their calls)
-                    len(sched.running), len(sched.waiting), len(bm.free_block_queue), bm.num_blocks,
-                    sched.num_preemptions - p0, bm.num_prefix_queries - q0, bm.num_prefix_hits - h0,
-                    request_ids, num_tokens, 0, sampled,  # request_ids, request_num_tokens, replica, sampled_ids
+                _new_step(StepRecord, (
+                    step_id, start_ns, end_ns, schedule_ns, prepare_ns, forward_ns, sample_ns, output_ns,
+                    num_prefill_seqs, num_prefill_tokens, num_decode_seqs, num_decode_tokens,
+                    num_running, num_waiting, num_kv_blocks_free, num_kv_blocks_total,
+                    num_preemptions, num_prefix_queries, num_prefix_hits,
+                    request_ids, request_num_tokens, replica, sampled_ids,
+                    cpu_ns, wait_ns, forward_cpu_ns, forward_wait_ns,
                 )),
                 runner_out.layer_times,
             )
@@ -325,3 +393,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self._clock.close()

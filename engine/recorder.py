@@ -23,7 +23,7 @@ class StepRecord(NamedTuple):
 
     A named tuple, not a dataclass: the engine builds one every step, right after the forward pass
     (caches cold), as ``tuple.__new__(StepRecord, fields)`` (one C call, against a Python
-    ``__init__`` storing 23 attributes), its fields read by C-level getters, and a drain ships it
+    ``__init__`` storing 27 attributes), its fields read by C-level getters, and a drain ships it
     as the plain tuple it is (``tuple(step)``) with nothing to call per step when pickling."""
 
     step_id: int
@@ -50,6 +50,13 @@ class StepRecord(NamedTuple):
     replica: int = 0
     sampled_ids: Sequence[str] = ()  # the requests that got a token in this step (the engine passes the
     # request_ids list itself when every request of the step got one: read it, never mutate either)
+    # the step loop thread's CPU time (time.thread_time_ns) and run-queue wait (/proc schedstat's 2nd
+    # field) over the step, and over the model's execution (prepare, forward, sample: the executor's call);
+    # None where not measured (probes off, a step inside Recorder.work_gap_ns, schedstat unreadable)
+    cpu_ns: int | None = None
+    wait_ns: int | None = None
+    forward_cpu_ns: int | None = None
+    forward_wait_ns: int | None = None
 
 
 @dataclass(slots=True)
@@ -94,6 +101,10 @@ class RunRecorder:
 
 class Recorder(RunRecorder):
     """One engine replica's recorder (no-op base); probes override what they record."""
+
+    # a step reads the step loop thread's CPU and wait (StepRecord.cpu_ns ..) when it starts this long
+    # after the last step that read them ended (0: every step)
+    work_gap_ns: int = 0
 
     # ---- engine steps (hot path) ----
     def should_time_layers(self, step_id: int) -> bool:

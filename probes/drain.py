@@ -14,8 +14,9 @@ from layerscope.probes.requests import Phase, engine_row, gateway_phases
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
-DRAIN_FORMAT = "layerscope.recorder-drain/4"  # a replica's raw drain (ProbeRecorder.drain); /2: tuples; /3: steps
-# carry sampled_ids; /4: a shipping replica's requests come without step indices (the reader inverts the steps)
+DRAIN_FORMAT = "layerscope.recorder-drain/5"  # a replica's raw drain (ProbeRecorder.drain); /2: tuples; /3: steps
+# carry sampled_ids; /4: a shipping replica's requests come without step indices (the reader inverts the steps);
+# /5: steps carry the step loop's CPU and wait (StepRecord.cpu_ns .. forward_wait_ns)
 PART_FORMAT = "layerscope.bundle-part"  # tables as Arrow IPC bytes (an export; the gateway's drain)
 
 if TYPE_CHECKING:

@@ -15,7 +15,9 @@ import pyarrow as pa
 
 from layerscope.contract import BREAKDOWN_LAYERS, LAYERS, component_column  # noqa: F401  (LAYERS: re-export)
 
-SCHEMA_VERSION = 3  # 2: requests carry every per-request component (E2E_COMPONENTS.., DECODE_COLUMNS); 3: prompt_block_hashes
+SCHEMA_VERSION = 3  # 2: requests carry every per-request component (E2E_COMPONENTS.., DECODE_COLUMNS);
+# 3: steps carry the step loop thread's CPU time and run-queue wait (WORK_COLUMNS), requests their
+# prompt_block_hashes (the replay's prefix structure)
 BUNDLE_FORMAT = "layerscope.bundle"
 
 # TTFT components, in request order; their sum plus ttft_residual_s equals ttft_s.
@@ -129,8 +131,15 @@ STEPS = pa.schema(
         ("collective_s", _s),  # TP collective time inside this step's forward (rank 0)
         ("request_ids", pa.list_(_str)),  # requests computed in this step
         ("request_num_tokens", pa.list_(_n)),  # their tokens in this step
+        # version 3, the step loop thread's (null where not measured): wall = cpu + wait + off-CPU not
+        # runnable (sleeps, barriers, I/O), so wall - wait is the step's own time, wait what a busy machine took
+        ("cpu_ns", _n),  # CPU time over the step (time.thread_time_ns delta)
+        ("wait_ns", _n),  # run-queue wait over the step (/proc/<tid>/schedstat 2nd field delta)
+        ("forward_cpu_ns", _n),  # the same two over the model's execution (prepare + forward + sample)
+        ("forward_wait_ns", _n),
     ]
 )
+WORK_COLUMNS = ("cpu_ns", "wait_ns", "forward_cpu_ns", "forward_wait_ns")  # StepRecord's fields, same names
 
 LAYER_TIMES = pa.schema(
     [
@@ -205,8 +214,8 @@ MACHINE = pa.schema(
 )
 OPTIONAL_TABLES: dict[str, pa.Schema] = {"machine": MACHINE}  # not required by readers
 # columns added after version 1, with the version that added them (an older bundle reads them as null)
-ADDED: dict[str, int] = {c: 2 for c in STORED_COMPONENT_COLUMNS[len(TTFT_COMPONENTS) + 1:]}
-ADDED["prompt_block_hashes"] = 3
+ADDED: dict[str, int] = {**{c: 2 for c in STORED_COMPONENT_COLUMNS[len(TTFT_COMPONENTS) + 1:]},
+                         **{c: 3 for c in WORK_COLUMNS}, "prompt_block_hashes": 3}
 
 TABLES: dict[str, pa.Schema] = {
     "requests": REQUESTS,

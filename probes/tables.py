@@ -39,6 +39,7 @@ def steps_table(steps: "Sequence[StepRecord]", replica: int, collective_ns: dict
         "collective_s": [collective_ns.get(s.step_id, 0) / 1e9 for s in steps],
         "request_ids": [s.request_ids for s in steps],
         "request_num_tokens": [s.request_num_tokens for s in steps],
+        **{c: [getattr(s, c) for s in steps] for c in schema.WORK_COLUMNS},
     }
     return pa.Table.from_pydict(cols, schema=schema.STEPS)
 
