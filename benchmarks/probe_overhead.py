@@ -3,34 +3,13 @@
     python benchmarks/probe_overhead.py [--preset tiny,small | --model DIR] [--requests 480,96]
         [--reps 6] [--levels off,default,rolling] [--push-interval-s 0.5]
 
-"rolling" is what a serving replica runs (``serve``, ``run`` with a rolling bundle): default probes
-whose records ship (``ProbeRecorder(ship_records=True)``: no metrics fed and no step lists inverted
-on the step loop). Every level runs a replica's loop after each step (``replica_main``): a metrics
-snapshot (``MetricsSnapshot``, the engine's stats) pushed every --push-interval-s while busy and
-as the engine goes idle, through a real ``multiprocessing.Queue`` read by a child process standing
-for the gateway; rolling's snapshots carry its ``drain()``, as a shipping replica's do. ``drain()``
-runs on the step loop, the queue's feeder thread pickles in the background (in this process: the
-CPU-time column counts it), the child unpickles. What the gateway then does with the drains (feeding
-the replica's Prometheus metrics, building rows and spans, writing parts) runs in the child after
-the timed region, in build_s. "default" is the in-process recorder of an offline run (``LLM``,
-``run_offline``), which feeds its metrics itself.
+Each repetition runs every level once (order rotated), paired overhead ``1 - level / off`` with
+its 95 % CI; then one rolling run with every recorder hook timed in place. What each level runs
+(a replica's loop and its metrics pushes through a real queue to a child standing for the
+gateway) and how the hooks' timing is corrected: benchmarks/README.md.
 
-One engine per preset; each repetition runs every level once, in an order rotated per
-repetition, with a fresh recorder per run (nothing accumulates across runs). A level's
-overhead is paired: ``1 - level / off`` within one repetition (two runs seconds apart, so
-machine drift hits both), then the mean over repetitions with its 95% confidence interval
-(Student t) and the min..max spread; "best" compares the best run of a level with the best
-run of off (the least disturbed ones, when other jobs share the machine). Timed:
-``generate`` only; full's py-spy start/stop and every level's table building (``tables()``
-/ the rolling parts: build_s) are outside it. Greedy sampling with ignore_eos: every run
-computes exactly the same tokens (checked). Last, one rolling run with every recorder hook
-timed: the hooks' share of the step loop's time, free of run-to-run noise (not of the engine's own
-StepRecord building). Hooks and generate are timed on the wall clock (``perf_counter``: the OS
-descheduling the loop lands in a hook as often as the hook's share of the time, so the ratio keeps
-true); the timing's own cost per call is measured where the hooks run, by a timed no-op called
-once per step beside ``on_step``, and subtracted (in place it is ~5x what a loop of no-ops costs:
-2.2 against 0.4 us here; a thread-CPU clock cost 6.7 us a call in place, a syscall each read, which
-is why it is not used).
+(Past 450 lines: the paired runs, the replica loop they share and the hooks run are one
+measurement, read together.)
 """
 
 from __future__ import annotations
@@ -215,16 +194,30 @@ _HOOKS = ("should_time_layers", "step_context", "on_request_events", "on_step", 
           "on_request_finished", "drain")
 
 
+def _time_clock_reads(engine, spent: dict, calls: dict):
+    """Time the engine's clock reads (ThreadClock.read) on the thread's CPU clock, into
+    spent/calls["clock.read"]; returns the engine's own clock, to put back."""
+    clock, spent["clock.read"], calls["clock.read"] = engine._clock, 0, 0
+
+    def cpu_timed_read():
+        t = time.thread_time_ns()
+        try:
+            return clock.read()
+        finally:
+            spent["clock.read"] += time.thread_time_ns() - t
+            calls["clock.read"] += 1
+
+    engine._clock = SimpleNamespace(read=cpu_timed_read)
+    return clock
+
+
 def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
                gateway: _Gateway) -> tuple[dict[str, float], float, int, float, float, float, float, int]:
     """One rolling run (default probes, drained with every push to the gateway's queue) with every
     recorder hook timed on the wall clock: (seconds per hook and generate seconds, the timing's cost in
     the step loop subtracted; steps; the timing's own cost per call in the step loop and in a loop of
     no-ops (us); the hooks' total with the latter subtracted (s); the engine's StepRecord building (s);
-    the engine's clock reads (``clock.read`` among the hooks: ThreadClock.read calls)).
-
-    A direct measure of what the step loop pays the probes, free of run-to-run noise (it leaves out
-    the sampled layer timings and the garbage collector's passes that the records trigger elsewhere)."""
+    the engine's clock reads (ThreadClock.read calls)). Free of run-to-run noise; not layer timings, nor GC."""
     from layerscope.engine.recorder import Recorder
     from layerscope.probes.recorder import ProbeRecorder
 
@@ -258,17 +251,7 @@ def _hook_time(llm, prompts, params, interval: int, push_interval_s: float,
     # reads them: one in WORK_GAP_NS), timed on the thread's CPU clock: a read is two syscalls, whose wall
     # time on a loaded machine holds whatever wait lands in them (measured 120 us a read at load 18)
     engine = llm.engine
-    clock, spent["clock.read"], calls["clock.read"] = engine._clock, 0, 0
-
-    def cpu_timed_read():
-        t = time.thread_time_ns()
-        try:
-            return clock.read()
-        finally:
-            spent["clock.read"] += time.thread_time_ns() - t
-            calls["clock.read"] += 1
-
-    engine._clock = SimpleNamespace(read=cpu_timed_read)
+    clock = _time_clock_reads(engine, spent, calls)
     timed_step = rec.on_step
     # drain() timed; the stats and the queue's put, which a replica makes with probes off too, not
     push = _pusher(gateway, llm.engine, rec.drain)
@@ -358,8 +341,18 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
         print(f"rep {rep}: " + "  ".join(f"{lv} {wall[lv][-1]:7.1f} tok/s ({cpu[lv][-1]:7.1f}/cpu-s)"
                                           for lv in levels), flush=True)
 
+    _print_levels(levels, wall, cpu, build, steps, num_tokens, args.reps)
+    hooks, gen_s, steps, per_call, warm, upper, built, reads = _hook_time(llm, prompts, params, interval, every,
+                                                                          gateway)
+    _print_hooks(hooks, gen_s, steps, per_call, warm, upper, built, reads)
+    gateway.close()
+    llm.shutdown()
+    gc.unfreeze()  # this process may go on (a test calls main())
+
+
+def _print_levels(levels, wall: dict, cpu: dict, build: dict, steps: int, num_tokens: int, reps: int) -> None:
     print(f"{steps} engine steps per run, {num_tokens} output tokens per run; overhead = 1 - level/off within "
-          f"a rep, mean over {args.reps} reps ±95% CI (min..max); best = 1 - best level run / best off run")
+          f"a rep, mean over {reps} reps ±95% CI (min..max); best = 1 - best level run / best off run")
     print(f"{'level':<13} {'tok/s median':>12} {'overhead (wall)':>28} {'best':>6} {'tok/cpu-s median':>17} "
           f"{'overhead (CPU time)':>28} {'best':>6} {'build_s':>8}")
     for level in levels:
@@ -380,8 +373,10 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
         print(f"rolling-every against rolling (the step loop's CPU and wait read on every step, not one in "
               f"{WORK_GAP_NS / 1e6:g} ms): {mw * 100:.2f}% ±{hw * 100:.2f} (wall), {mc * 100:.2f}% ±{hc * 100:.2f} "
               "(CPU time)", flush=True)
-    hooks, gen_s, steps, per_call, warm, upper, built, reads = _hook_time(llm, prompts, params, interval, every,
-                                                                          gateway)
+
+
+def _print_hooks(hooks: dict, gen_s: float, steps: int, per_call: float, warm: float, upper: float, built: float,
+                 reads: int) -> None:
     total = sum(hooks.values())
     print(f"rolling, hooks timed (wall clock): {total * 1e6 / steps:.1f} us per step in recorder hooks "
           f"(drain included; the snapshot's put, made with probes off too, not) = {total / gen_s * 100:.2f}% of "
@@ -396,9 +391,6 @@ def bench_model(model: str, label: str, args, num_requests: int, levels: list[st
     print(f"rolling, the engine's StepRecord building (its step's end to on_step, probes only): "
           f"{built * 1e6 / steps:.1f} us per step = {built / gen_s * 100:.2f}%; probes on the step loop in all "
           f"(hooks + StepRecord): {(total + built) / gen_s * 100:.2f}% of generate time", flush=True)
-    gateway.close()
-    llm.shutdown()
-    gc.unfreeze()  # this process may go on (a test calls main())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,6 +86,23 @@ class ThreadClock:
             self.fd = -1
 
 
+def _max_model_len(config: EngineConfig, spec, num_blocks: int, block_size: int) -> int:
+    max_model_len = config.max_model_len or spec.max_position_embeddings
+    if max_model_len > spec.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{spec.max_position_embeddings}"
+        )
+    # one request must always fit the pool on its own, or preemption could livelock
+    max_model_len = min(max_model_len, num_blocks * block_size)
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
+            f">= max_model_len ({max_model_len}) so every prefill fits one step"
+        )
+    return max_model_len
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, recorder: Recorder | None = None, faults: Faults | None = None):
         if not config.model:
@@ -114,19 +131,7 @@ class LLMEngine:
             raise ConfigError(f"tp_size={config.tp_size} does not divide num_key_value_heads={spec.num_kv_heads}")
         per_block = kv_cache_bytes_per_block(spec, block_size, kv_heads_per_rank, dtype)
         num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_bytes // per_block)
-        max_model_len = config.max_model_len or spec.max_position_embeddings
-        if max_model_len > spec.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{spec.max_position_embeddings}"
-            )
-        # one request must always fit the pool on its own, or preemption could livelock
-        max_model_len = min(max_model_len, num_blocks * block_size)
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-            raise ConfigError(
-                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
-                f">= max_model_len ({max_model_len}) so every prefill fits one step"
-            )
+        max_model_len = _max_model_len(config, spec, num_blocks, block_size)
         self.max_model_len = max_model_len
 
         self.executor: Executor = create_executor(config, spec, dtype, device, backend, num_blocks, max_model_len,
