@@ -558,7 +558,7 @@ def find_runs(folder: str | Path) -> pd.DataFrame:
             try:
                 m = read_manifest(p)
             except BundleError as e:
-                rows.append((p.name, str(p), None, None, None, None, f"unreadable manifest ({e})"))
+                rows.append((p.name, str(p), None, None, None, None, str(e).split(": ", 1)[-1]))  # the path is the row's
                 continue
             rows.append((p.name, str(p), m.get("run_id"), (m.get("workload") or {}).get("name"),
                          (m.get("summary") or {}).get("requests"), m.get("start_time"), None))

@@ -271,8 +271,9 @@ def run_case(case: Case, st: Settings, num_requests: int, rate: float, seed: int
 
 
 def score(row: Row, d: dict) -> Row:
-    """Fill ``row`` from diagnosis ``d`` (``diagnose --json``): ok when the verdict is a regression
-    whose primary layer is the expected one; cant_tell when it is not, but the primary's
+    """Fill ``row`` from diagnosis ``d`` (``diagnose --json``): ok when the verdict is a regression, or
+    a trade-off (``mixed``: a config change such as a lower max_num_seqs), whose primary layer is the
+    expected one; cant_tell when it is not, but the primary's
     alternatives (a can't-tell) name the expected layer."""
     row.verdict = d["verdict"]
     row.metrics = {k: (round(v["delta_pct"], 1) if v["delta_pct"] is not None else None, v["significant"])
@@ -280,9 +281,10 @@ def score(row: Row, d: dict) -> Row:
     if d["primary"]:
         row.primary, row.metric = d["primary"]["layer"], d["primary"]["metric"]
         row.cause = d["findings"][0]["cause"]
-    row.ok = row.primary == row.expected and d["verdict"] == "regression"
+    named = d["verdict"] in ("regression", "mixed")
+    row.ok = row.primary == row.expected and named
     row.alternatives = list((d["primary"] or {}).get("alternatives", []))
-    row.cant_tell = not row.ok and d["verdict"] == "regression" and row.expected in row.alternatives
+    row.cant_tell = not row.ok and named and row.expected in row.alternatives
     return row
 
 

@@ -421,7 +421,7 @@ def write_bundle(src: Source, w: Window, out: str | Path, engine: dict[str, Any]
                  narrow: str = "", overwrite: bool = False) -> Path:
     """An external bundle (docs/external.md) of one window: no client records, the server's deltas,
     the fleet's gauges, ``replicas.parquet`` (one row per replica) and the manifest's engine."""
-    from layerscope.probes.schema import REQUESTS
+    from layerscope.probes.schema import BUNDLE_FORMAT, REQUESTS, SCHEMA_VERSION
 
     p = Path(out)
     if p.exists() and any(p.iterdir()) and not overwrite:
@@ -433,7 +433,7 @@ def write_bundle(src: Source, w: Window, out: str | Path, engine: dict[str, Any]
     if w.per_replica:
         pq.write_table(pa.Table.from_pandas(replica_table(w), preserve_index=False), p / "replicas.parquet")
     manifest = {
-        "run_id": p.name, "command": command, "start_ns": int(w.start * 1e9), "end_ns": int(w.end * 1e9),
+        "format": BUNDLE_FORMAT, "schema_version": SCHEMA_VERSION, "run_id": p.name, "command": command, "start_ns": int(w.start * 1e9), "end_ns": int(w.end * 1e9),
         "start_time": iso(w.start), "workload": {}, "summary": {"client": {"duration_s": w.end - w.start}},
         "engine": engine,
         "external": {"source": "import-prometheus", "prometheus": src.prom.url, "selector": src.selector,

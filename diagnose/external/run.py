@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from layerscope.diagnose.errors import RunError
 from layerscope.diagnose.external.exposition import Exposition, histogram_quantile, parse
 from layerscope.diagnose.external.names import CONCEPTS, NAMES, NOT_VISIBLE, Resolved, resolve
-from layerscope.probes.reader import BundleError, read_manifest
+from layerscope.probes.reader import MANIFEST, BundleError, read_json
 from layerscope.probes.schema import LAYERS
 
 EXTERNAL_COMMANDS = ("bench", "watch", "import")
@@ -31,8 +31,8 @@ EXTERNAL_COMMANDS = ("bench", "watch", "import")
 
 def is_external(path: str | Path) -> bool:
     """True for bundles of a server we did not record from the inside (see module doc)."""
-    try:
-        m = read_manifest(path)
+    try:  # an external bundle's manifest has its own keys: read, not validated as ours
+        m = read_json(Path(path) / MANIFEST, "run bundle")
     except BundleError:
         return False
     if not isinstance(m, dict):
@@ -208,7 +208,7 @@ def load_external(path: str | Path) -> ExternalRun:
     if not p.is_dir():
         raise RunError(f"{p}: no such run bundle directory")
     try:
-        manifest = read_manifest(p)
+        manifest = read_json(p / MANIFEST, "run bundle")
     except BundleError as e:
         raise RunError(str(e)) from None
     manifest.pop("faults", None)

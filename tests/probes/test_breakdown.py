@@ -116,6 +116,7 @@ def _tables(steps, req):
         "collective_s": [s["coll"] / 1e9 for s in steps],
         "request_ids": [["x"] if i in req["member"] else ["other"] for i in range(len(steps))],
         "request_num_tokens": [[1] for _ in steps],
+        **{c: [None] * len(steps) for c in schema.WORK_COLUMNS},  # not read by the breakdown
     }, schema=schema.STEPS)
     row = {c: None for c in schema.REQUESTS.names}
     row.update(request_id="x", replica=0, status="finished_length", num_prompt_tokens=4, num_cached_tokens=0,
