@@ -510,6 +510,8 @@ def total_ci(metric: dict, rule: Rule = DEFAULT_RULE) -> list[float] | None:
     if d is None or floor is None or not (math.isfinite(d) and math.isfinite(floor)) or d <= -100:
         return None
     half = z(1 - (1 - rule.confidence) / 2) * floor / 100 / z(1 - rule.alpha / 2)
+    if half > 20:  # a floor of thousands of percent: no interval worth printing (exp would overflow)
+        return None
     return [100 * ((1 + d / 100) * math.exp(-half) - 1), 100 * ((1 + d / 100) * math.exp(half) - 1)]
 
 

@@ -170,3 +170,13 @@ def test_run_level_pairs_runs_of_one_round():
     # an A/A of one version: neighbouring rounds, no change, no verdict
     aa = run_level(base[0::2], base[1::2], pairs=[(i, i) for i in range(k // 2)])
     assert not aa["significant"]
+
+
+def test_total_ci_of_a_metric_whose_floor_is_huge_is_none_not_an_overflow():
+    """A metric measured near zero in the baseline (a TTFT of 16 us against 30 ms, seen on a live vLLM
+    pair) gets a floor of thousands of percent: no interval, rather than exp() overflowing."""
+    from layerscope.diagnose.stats import total_ci
+
+    assert total_ci({"delta_pct": 182600.0, "floor_pct": 278000.0}) is None
+    lo, hi = total_ci({"delta_pct": 20.0, "floor_pct": 10.0})
+    assert lo < 20.0 < hi

@@ -52,7 +52,9 @@ def our_runs(tmp_path_factory, small_model, live):
 ])
 def test_same_layers_as_vllm(our_runs, base, cand, layer, key):
     d = compare_external(our_runs[base], our_runs[cand])
-    assert d["verdict"] == "regression"
+    # a cap or a starved KV pool trades TTFT for TPOT: regression, or mixed when the TPOT side's gain is
+    # significant too (the headline rule, docs/diagnose.md §2.8); the worse side's layer is primary either way
+    assert d["verdict"] in ("regression", "mixed"), {k: (v["delta_pct"], v["significant"]) for k, v in d["metrics"].items()}
     assert d["primary"]["layer"] == layer, d["findings"][:2]
     assert key in [c["key"] for c in d["config_diff"]]
 

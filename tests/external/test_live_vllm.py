@@ -69,5 +69,5 @@ def test_single_run_report_lists_layers_seen_and_not(vllm_runs):
     assert {"engine.queue", "engine.kv", "model.forward", "client"} <= set(v["seen"])
     assert "kernel-level" in v["not_seen"]["kernel.compute"]
     assert s["engine"] == {"family": "vllm", "version": "0.32.0"}
-    assert any("0% while the workload shares prefixes" in f["message"] for f in s["findings"])
+    assert any("0% while the prompts share prefixes" in f["message"] for f in s["findings"])
     assert s["latency"]["ttft"]["count"] == s["requests_finished"] > 0
