@@ -18,8 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,14 +27,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from layerscope.testing.servers import free_port, stop_group
+
 BOUNDS = (0.1, 0.3, 1.0, 2.5, 10.0, 60.0, 7680.0, float("inf"))  # vLLM's request-latency bounds, thinned
 JOB = "vllm"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hist_series(name: str, labels: str, n: np.ndarray, mean: np.ndarray) -> list[tuple[str, np.ndarray]]:
@@ -150,7 +144,7 @@ def start_prometheus(binary: str, tsdb: Path, tmp: Path, web_config: Path | None
                      ready: dict | None = None) -> tuple[subprocess.Popen, str]:
     """Prometheus on 127.0.0.1 over ``tsdb``; ``web_config``: its TLS / basic-auth file, ``ready``:
     httpx.get keyword arguments that pass it (auth, verify)."""
-    port = _free_port()
+    port = free_port()
     cfg = tmp / "prometheus.yml"
     cfg.write_text("global: {scrape_interval: 1m}\nscrape_configs: []\n")
     log = open(tmp / "prometheus.log", "wb")
@@ -169,7 +163,7 @@ def start_prometheus(binary: str, tsdb: Path, tmp: Path, web_config: Path | None
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    stop(proc)
+    stop_group(proc, 30)
     raise RuntimeError("prometheus did not become ready in 120 s")
 
 
@@ -195,16 +189,6 @@ def wait_compacted(url: str, quiet_s: float = 75, limit_s: float = 900) -> dict:
             break
     return {"blocks_before": first[0], "blocks_after": last[0], "compactions": last[1],
             "wait_s": time.monotonic() - t0}
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def prometheus_cpu_s(url: str) -> float:
@@ -263,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{model['last_day']}..{end}", "--json"])
             diag["prom_cpu_s"], fl["prom_cpu_s"] = c1 - c0, prometheus_cpu_s(url) - c1
         finally:
-            stop(proc)
+            stop_group(proc, 30)
     print(f"load after: {os.getloadavg()}")
     for what, r in (("diagnose --around (find the rollout, diagnose it)", diag), ("fleet (last day)", fl)):
         print(f"{what}: rc {r['rc']}, wall {r['wall_s']:.2f} s, peak RSS {r['maxrss_kb'] / 1024:.0f} MB, "

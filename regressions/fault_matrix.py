@@ -43,55 +43,28 @@ class Case:
 BURST = {"rate": 0, "num_requests": 64}  # "under load": the tiny model serves a request in ~20 ms
 CASES: tuple[Case, ...] = (
     Case("gateway.delay_ms", "gateway.queue", {"faults": {"gateway.delay_ms": 150}}),
-    # a burst (64 requests at t=0): one of two replicas taking 90% of it is overloaded; one
-    # thread per replica, or on two cores an idle replica would just lend its CPU to the busy one;
-    # 8 sequences per replica and 48-token outputs, or the tiny model batches its ~58 requests in a
-    # few steps nearly for free and the skew costs little. Measured on a quiet machine
-    # (2026-12-02): 16-token outputs and no limit, TTFT p50 -11%; 8 sequences, 48 tokens: +110%,
-    # +38%, once not significant; 4 sequences: -4% (the overloaded replica's steps were x0.6 as
-    # long: two replicas, the gateway and the client share two cores, and alone it had one).
-    # Tried 2026-12-03: prompts of ~400 tokens (up to 900), 16-token outputs: the run 1.29 -> 1.77 s,
-    # TTFT p50 +21%, tokens/s -22%, none significant in one pair; the loaded replica computed its
-    # tokens 1.26x faster than either replica of the balanced run (a core to itself), which is what
-    # bounds a skew's cost on two cores whatever the prompts. Not kept.
-    # Since 2026-12-04 both runs' forwards wait 3 ms in one row (model.layer_delay, a sleep: the
-    # replicas of a GPU server wait on their own device, not on the host's CPU), so each replica's
-    # step is ~4.5 ms of which ~1.5 ms CPU and the two no longer trade one core: the skew then costs
-    # what it costs on accelerators (one pair, 5 times: regression, gateway.route, TTFT p50 +68%,
-    # tokens/s -38%, the busiest replica 94% of requests). The delay is in baseline and candidate
-    # alike: the diagnosed change is the skew alone.
+    # one of two replicas taking 90% of a burst; one thread and 8 sequences per replica and 48-token
+    # outputs, or the tiny model batches the burst nearly for free; both runs' forwards wait 3 ms in one
+    # row (a sleep, as a GPU replica waits on its device), so the replicas stop trading one CPU core
     Case("router.skew", "gateway.route", {"faults": {"router.skew": 0.9}},
          {"replicas": 2, "config": {"num_threads": 1, "max_num_seqs": 8},
           "faults": {"model.layer_delay": "layers.0.mlp:3"}},
          workload={**BURST, "output_len": 48, "max_output_len": 96}),
     Case("engine.step_overhead_ms", "engine.schedule", {"faults": {"engine.step_overhead_ms": 8}}),
     Case("model.layer_delay", "model.forward", {"faults": {"model.layer_delay": "layers.1.mlp:6"}}),
-    # long prompts, so the stretched ops differ in size (attention and rotary grow with the context,
-    # the norms do not): on the chat workload's short prompts the five kernel ops are all 50-120 us,
-    # a fixed time per call and a common factor predict the same deltas, and diagnose rightly says
-    # it cannot tell (2026-12-02: "5 ops each gained about 0.151 ms per call, about 3.13x", spreads
-    # 0.35 vs 0.20, sizes 0.28: tell?). On 400-900-token prompts, 2 of 4 runs: "5 ops each got
-    # about 4.22x slower (spread 0.09 vs 0.39 for a fixed extra time)", kernel.compute; the others
-    # can't-tells (ratios 3.8-6.3: an op's median over the 16 calls of the profiler's 8 steps, all
-    # decodes at batch 1, varies 2-5x at these 50-300 us sizes). Since 2026-12-03 the profiler's
-    # windows take steps with prompt tokens too and diagnose compares each op at a decode's and a
-    # prefill's size (docs/diagnose.md §2.2): "6 ops each got about 3.24x slower (spread 0.40 vs 1.81
-    # for a fixed extra time)", kernel.compute.
+    # long prompts, so the stretched ops differ in size (attention grows with the context, norms do
+    # not): on short prompts a fixed time per call and a common factor predict the same deltas
     Case("kernel.slowdown", "kernel.compute", {"faults": {"kernel.slowdown": 4}}, {"profile": "kernels"},
          workload={"input_len": 400, "max_input_len": 900, "rate": 1.5}),
     Case("kernel.launch_gap_us", "kernel.launch_gap", {"faults": {"kernel.launch_gap_us": 400}},
          {"profile": "kernels"}),
     Case("collective.delay_ms", "parallel.collective", {"faults": {"collective.delay_ms": 4}}, {"tp": 2}),
     Case("output.delay_ms", "engine.output", {"faults": {"output.delay_ms": 8}}),
-    # one sequence at a time: at 2 the saturated burst's TTFT p50 moved +51% one time against a
-    # minimum detectable +89% (a saturated run's spread), and TPOT's significant -81% made it an
-    # "improvement" (2026-12-02); at 1, +142% (TTFT p50) twice
+    # one sequence at a time: at 2 a saturated burst's spread hides the TTFT change, and TPOT falls
     Case("max_num_seqs_low", "engine.queue", {"config": {"max_num_seqs": 1}}, workload=BURST,
          note="max_num_seqs too low under load"),
-    # 16 blocks of 16 tokens hold about two of these requests: they run nearly one by one. (With
-    # 24 blocks on a quiet machine the burst's median latency improved: the tiny model's step
-    # cost grows with the batch, so small batches lost almost no throughput; the diagnosis,
-    # engine.kv "steps carry a different batch (num_kv_blocks changed)", was right.)
+    # 16 blocks of 16 tokens hold about two of these requests: they run nearly one by one (at 24 the
+    # tiny model's small batches cost almost no throughput and the median latency even improves)
     Case("num_kv_blocks_small", "engine.kv", {"config": {"num_kv_blocks": 16}},
          workload={**BURST, "max_input_len": 200}, note="KV pool too small for the load"),
     Case("prefix_caching_off_agentic", "engine.kv", {"config": {"enable_prefix_caching": False}},

@@ -191,163 +191,198 @@ def _make_requests(spec: SynthSpec, rng) -> list[dict[str, Any]]:
 
 # ---- engine ----------------------------------------------------------------------------
 def _simulate(spec, reqs, replica, rng, run_factor, steps, layer_rows, kernel_rows, coll_rows, counter) -> None:
-    bs, nl = spec.block_size, spec.num_layers
-    pending = deque(reqs)
-    waiting: deque = deque()
-    running: list = []
-    free = spec.num_kv_blocks
-    seen_prefix = False
+    # the queues and the free KV blocks, shared by the scheduling helpers below
+    q = SimpleNamespace(pending=deque(reqs), waiting=deque(), running=[], free=spec.num_kv_blocks,
+                        seen_prefix=False)
     t = reqs[0]["engine_arrival"] if reqs else 0.0
-    n_ops = 10 * nl + 3
-    while pending or waiting or running:
-        while pending and pending[0]["engine_arrival"] <= t:
-            waiting.append(pending.popleft())
-        if not waiting and not running:
-            t = pending[0]["engine_arrival"]
+    while q.pending or q.waiting or q.running:
+        while q.pending and q.pending[0]["engine_arrival"] <= t:
+            q.waiting.append(q.pending.popleft())
+        if not q.waiting and not q.running:
+            t = q.pending[0]["engine_arrival"]
             continue
         budget = spec.max_num_batched_tokens
-        sched: list[tuple[dict, int, bool]] = []
-        preempted = 0
+        sched, preempted, budget = _schedule_running(spec, q, t, budget)
         q_tokens = hit_tokens = 0
-        for r in list(running):
-            if r not in running:
-                continue
-            target = r["prompt"] + r["generated"]
-            remaining = target - r["computed"]
-            is_decode = remaining == 1 and r["generated"] > 0
-            n = min(remaining, budget) if (spec.enable_chunked_prefill or remaining <= budget) else 0
-            if n <= 0:
-                continue
-            need = math.ceil((r["computed"] + n) / bs) - r["blocks"]
-            while need > free and running:
-                victim = running.pop()
-                free += victim["blocks"]
-                victim.update(blocks=0, recomputed=victim["recomputed"] + victim["computed"], computed=0,
-                              preempted_at=t, num_preemptions=victim["num_preemptions"] + 1)
-                waiting.appendleft(victim)
-                preempted += 1
-                if victim is r:
-                    break
-            if r not in running:
-                continue
-            free -= need
-            r["blocks"] += need
-            budget -= n
-            sched.append((r, n, not is_decode))
-        while not preempted and waiting and len(running) < spec.max_num_seqs and budget > 0:
-            r = waiting[0]
-            if r["cached"] is None:
-                cached = 0
-                if spec.enable_prefix_caching and r["shared"]:
-                    if seen_prefix:
-                        cached = (min(spec.prefix_tokens, r["prompt"] - 1) // bs) * bs
-                    seen_prefix = True
-                start = cached
-            else:
-                cached, start = r["cached"], 0
-            target = r["prompt"] + r["generated"]
-            remaining = target - start
-            if not spec.enable_chunked_prefill and remaining > budget:
-                break
-            n = min(remaining, budget)
-            need = math.ceil((start + n) / bs)
-            if need > free:
-                break
-            waiting.popleft()
-            if r["cached"] is None:
-                q_tokens += r["prompt"]
-                hit_tokens += cached
-                r["cached"] = cached
-            if r["preempted_at"] is not None:
-                r["preempted_s"] += t - r["preempted_at"]
-                r["preempted"].append((r["preempted_at"], t))
-                r["preempted_at"] = None
-            r["computed"] = start
-            free -= need
-            r["blocks"] = need
-            budget -= n
-            running.append(r)
-            sched.append((r, n, True))
+        if not preempted:
+            q_tokens, hit_tokens = _admit_waiting(spec, q, t, budget, sched)
         if not sched:
             # nothing runnable (everything waits on KV or the budget): idle until the next arrival
-            t = pending[0]["engine_arrival"] if pending else t + spec.loop_gap_s
-            if not pending and not running:
+            t = q.pending[0]["engine_arrival"] if q.pending else t + spec.loop_gap_s
+            if not q.pending and not q.running:
                 raise RuntimeError("synth: a request can never be scheduled (num_kv_blocks too small)")
             continue
-
-        def jit() -> float:
-            return run_factor * (float(np.exp(rng.normal(0, spec.noise))) if spec.noise else 1.0)
-
-        n_seqs = len(sched)
-        tokens = sum(n for _, n, _ in sched)
-        p_seqs = sum(1 for _, _, p in sched if p)
-        p_tokens = sum(n for _, n, p in sched if p)
-        schedule_s = (spec.schedule_base_s + spec.schedule_per_seq_s * n_seqs) * jit() + spec.step_overhead_s
-        prepare_s = spec.prepare_per_token_s * tokens * jit()
-        compute_s = ((spec.forward_base_s + spec.forward_per_token_s * tokens) * spec.hardware_slowdown
-                     * spec.kernel_slowdown * jit())
-        gaps_s = (n_ops - 1) * (spec.base_gap_s * jit() + spec.launch_gap_s)
-        delay_s = sum(spec.layer_delay_s.values())
-        coll_one = spec.collective_base_s * jit()
-        collective_s = 2 * nl * (coll_one + spec.collective_delay_s) if spec.tp_size > 1 else 0.0
-        forward_s = compute_s + gaps_s + delay_s + collective_s
-        sample_s = (spec.sample_base_s + spec.sample_per_seq_s * n_seqs) * jit()
-        output_s = (spec.output_base_s + spec.output_per_seq_s * n_seqs) * jit() + spec.output_delay_s
-        step_s = schedule_s + prepare_s + forward_s + sample_s + output_s
-        t_sample = t + schedule_s + prepare_s + forward_s + sample_s
-        end = t + step_s
+        d = _step_timing(spec, sched, rng, run_factor)
         step_id = counter[0]
         counter[0] += 1
-        for r, n, is_prefill in sched:
-            r["computed"] += n
-            r["num_steps"] += 1
-            r["chunks"] += 1 if is_prefill and r["first_token"] is None else 0
-            if r["first_sched"] is None:
-                r["first_sched"] = t
-            if r["computed"] == r["prompt"] + r["generated"]:
-                r["generated"] += 1
-                if r["first_token"] is None:
-                    r["first_token"] = t_sample
-                if r["generated"] >= r["out"]:
-                    r["finished"] = t_sample
-                    running.remove(r)
-                    free += r["blocks"]
-                    r["blocks"] = 0
-        # a busier machine stretches the step by waiting for a CPU: x machine_slowdown from the quiet share
-        # (no draw from ``rng``: the columns must not move any other timing of a bundle)
-        waited = max(0.0, 1 - (1 - spec.wait_share) / spec.machine_slowdown)
-        steps.append(dict(step_id=step_id, replica=replica, start=t, end=end, schedule_s=schedule_s,
-                          wait_s=waited * step_s, forward_wait_s=waited * forward_s,
-                          prepare_s=prepare_s, forward_s=forward_s, sample_s=sample_s, output_s=output_s,
-                          step_s=step_s, num_prefill_seqs=p_seqs, num_prefill_tokens=p_tokens,
-                          num_decode_seqs=n_seqs - p_seqs, num_decode_tokens=tokens - p_tokens,
-                          num_batched_tokens=tokens, num_running=len(running), num_waiting=len(waiting),
-                          num_kv_blocks_free=free, num_kv_blocks_total=spec.num_kv_blocks,
-                          num_preemptions=preempted, num_prefix_queries=q_tokens, num_prefix_hits=hit_tokens,
-                          collective_s=collective_s if spec.tp_size > 1 else None,
-                          request_ids=[r["request_id"] for r, _, _ in sched],
-                          request_num_tokens=[n for _, n, _ in sched]))
-        base = compute_s + gaps_s
-        if spec.layer_timing_interval and step_id % spec.layer_timing_interval == 0:
-            rows = [("embed", 0.02 * base)]
-            for i in range(nl):
-                coll = coll_one + spec.collective_delay_s if spec.tp_size > 1 else 0.0
-                rows.append((f"layers.{i}.attn", 0.45 / nl * base + coll))
-                rows.append((f"layers.{i}.mlp", 0.45 / nl * base + coll))
-            rows += [("norm", 0.01 * base), ("lm_head", 0.07 * base)]
-            rows = [(name, d + spec.layer_delay_s.get(name, 0.0)) for name, d in rows] + [("sampler", sample_s)]
-            layer_rows += [(step_id, replica, name, d) for name, d in rows]
-        if spec.profile_windows and step_id % 50 < 4 and step_id // 50 < spec.profile_windows:
-            _kernels(spec, step_id, replica, t + schedule_s + prepare_s, compute_s, gaps_s, n_ops, kernel_rows)
-        if spec.tp_size > 1:
-            t_c = t + schedule_s + prepare_s
-            for i in range(nl):
-                for op_name in (f"layers.{i}.attn", f"layers.{i}.mlp"):
-                    for rank in range(spec.tp_size):
-                        wait = spec.collective_delay_s if rank == 0 else 0.0
-                        coll_rows.append((step_id, replica, rank, "all_reduce", op_name, tokens * 4096,
-                                          int(round(t_c * 1e9)), coll_one + wait, wait))
-        t = end + spec.loop_gap_s
+        _advance(sched, q, t, t + d.schedule_s + d.prepare_s + d.forward_s + d.sample_s)
+        steps.append(_step_row(spec, q, d, sched, step_id, replica, t, preempted, q_tokens, hit_tokens))
+        _emit_rows(spec, d, step_id, replica, t, layer_rows, kernel_rows, coll_rows)
+        t = t + d.step_s + spec.loop_gap_s
+
+
+def _schedule_running(spec, q, t: float, budget: int) -> tuple[list, int, int]:
+    """The running requests' decodes and prefill chunks, preempting the newest on KV exhaustion:
+    (scheduled (request, tokens, is_prefill), preemptions, budget left)."""
+    bs = spec.block_size
+    sched: list[tuple[dict, int, bool]] = []
+    preempted = 0
+    for r in list(q.running):
+        if r not in q.running:
+            continue
+        target = r["prompt"] + r["generated"]
+        remaining = target - r["computed"]
+        is_decode = remaining == 1 and r["generated"] > 0
+        n = min(remaining, budget) if (spec.enable_chunked_prefill or remaining <= budget) else 0
+        if n <= 0:
+            continue
+        need = math.ceil((r["computed"] + n) / bs) - r["blocks"]
+        while need > q.free and q.running:
+            victim = q.running.pop()
+            q.free += victim["blocks"]
+            victim.update(blocks=0, recomputed=victim["recomputed"] + victim["computed"], computed=0,
+                          preempted_at=t, num_preemptions=victim["num_preemptions"] + 1)
+            q.waiting.appendleft(victim)
+            preempted += 1
+            if victim is r:
+                break
+        if r not in q.running:
+            continue
+        q.free -= need
+        r["blocks"] += need
+        budget -= n
+        sched.append((r, n, not is_decode))
+    return sched, preempted, budget
+
+
+def _admit_waiting(spec, q, t: float, budget: int, sched: list) -> tuple[int, int]:
+    """Waiting requests FCFS within max_num_seqs, the token budget and free KV blocks, appended to
+    ``sched``: (prefix-cache query tokens, hit tokens)."""
+    bs = spec.block_size
+    q_tokens = hit_tokens = 0
+    while q.waiting and len(q.running) < spec.max_num_seqs and budget > 0:
+        r = q.waiting[0]
+        if r["cached"] is None:
+            cached = 0
+            if spec.enable_prefix_caching and r["shared"]:
+                if q.seen_prefix:
+                    cached = (min(spec.prefix_tokens, r["prompt"] - 1) // bs) * bs
+                q.seen_prefix = True
+            start = cached
+        else:
+            cached, start = r["cached"], 0
+        target = r["prompt"] + r["generated"]
+        remaining = target - start
+        if not spec.enable_chunked_prefill and remaining > budget:
+            break
+        n = min(remaining, budget)
+        need = math.ceil((start + n) / bs)
+        if need > q.free:
+            break
+        q.waiting.popleft()
+        if r["cached"] is None:
+            q_tokens += r["prompt"]
+            hit_tokens += cached
+            r["cached"] = cached
+        if r["preempted_at"] is not None:
+            r["preempted_s"] += t - r["preempted_at"]
+            r["preempted"].append((r["preempted_at"], t))
+            r["preempted_at"] = None
+        r["computed"] = start
+        q.free -= need
+        r["blocks"] = need
+        budget -= n
+        q.running.append(r)
+        sched.append((r, n, True))
+    return q_tokens, hit_tokens
+
+
+def _step_timing(spec, sched: list, rng, run_factor: float) -> SimpleNamespace:
+    """One step's phase durations; the noise draws from ``rng`` stay in this order (a bundle of a
+    given seed is the same bytes)."""
+    nl = spec.num_layers
+
+    def jit() -> float:
+        return run_factor * (float(np.exp(rng.normal(0, spec.noise))) if spec.noise else 1.0)
+
+    d = SimpleNamespace(n_ops=10 * nl + 3, n_seqs=len(sched), tokens=sum(n for _, n, _ in sched))
+    d.p_seqs = sum(1 for _, _, p in sched if p)
+    d.p_tokens = sum(n for _, n, p in sched if p)
+    d.schedule_s = (spec.schedule_base_s + spec.schedule_per_seq_s * d.n_seqs) * jit() + spec.step_overhead_s
+    d.prepare_s = spec.prepare_per_token_s * d.tokens * jit()
+    d.compute_s = ((spec.forward_base_s + spec.forward_per_token_s * d.tokens) * spec.hardware_slowdown
+                   * spec.kernel_slowdown * jit())
+    d.gaps_s = (d.n_ops - 1) * (spec.base_gap_s * jit() + spec.launch_gap_s)
+    delay_s = sum(spec.layer_delay_s.values())
+    d.coll_one = spec.collective_base_s * jit()
+    d.collective_s = 2 * nl * (d.coll_one + spec.collective_delay_s) if spec.tp_size > 1 else 0.0
+    d.forward_s = d.compute_s + d.gaps_s + delay_s + d.collective_s
+    d.sample_s = (spec.sample_base_s + spec.sample_per_seq_s * d.n_seqs) * jit()
+    d.output_s = (spec.output_base_s + spec.output_per_seq_s * d.n_seqs) * jit() + spec.output_delay_s
+    d.step_s = d.schedule_s + d.prepare_s + d.forward_s + d.sample_s + d.output_s
+    return d
+
+
+def _advance(sched: list, q, t: float, t_sample: float) -> None:
+    """The scheduled requests' progress after the step: tokens computed, first and last tokens,
+    finished requests leave the batch and free their blocks."""
+    for r, n, is_prefill in sched:
+        r["computed"] += n
+        r["num_steps"] += 1
+        r["chunks"] += 1 if is_prefill and r["first_token"] is None else 0
+        if r["first_sched"] is None:
+            r["first_sched"] = t
+        if r["computed"] == r["prompt"] + r["generated"]:
+            r["generated"] += 1
+            if r["first_token"] is None:
+                r["first_token"] = t_sample
+            if r["generated"] >= r["out"]:
+                r["finished"] = t_sample
+                q.running.remove(r)
+                q.free += r["blocks"]
+                r["blocks"] = 0
+
+
+def _step_row(spec, q, d, sched, step_id, replica, t, preempted, q_tokens, hit_tokens) -> dict[str, Any]:
+    # a busier machine stretches the step by waiting for a CPU: x machine_slowdown from the quiet share
+    # (no draw from ``rng``: the columns must not move any other timing of a bundle)
+    waited = max(0.0, 1 - (1 - spec.wait_share) / spec.machine_slowdown)
+    return dict(step_id=step_id, replica=replica, start=t, end=t + d.step_s, schedule_s=d.schedule_s,
+                wait_s=waited * d.step_s, forward_wait_s=waited * d.forward_s,
+                prepare_s=d.prepare_s, forward_s=d.forward_s, sample_s=d.sample_s, output_s=d.output_s,
+                step_s=d.step_s, num_prefill_seqs=d.p_seqs, num_prefill_tokens=d.p_tokens,
+                num_decode_seqs=d.n_seqs - d.p_seqs, num_decode_tokens=d.tokens - d.p_tokens,
+                num_batched_tokens=d.tokens, num_running=len(q.running), num_waiting=len(q.waiting),
+                num_kv_blocks_free=q.free, num_kv_blocks_total=spec.num_kv_blocks,
+                num_preemptions=preempted, num_prefix_queries=q_tokens, num_prefix_hits=hit_tokens,
+                collective_s=d.collective_s if spec.tp_size > 1 else None,
+                request_ids=[r["request_id"] for r, _, _ in sched],
+                request_num_tokens=[n for _, n, _ in sched])
+
+
+def _emit_rows(spec, d, step_id, replica, t, layer_rows, kernel_rows, coll_rows) -> None:
+    """The step's sampled layer rows, its kernels inside a profiler window and its collectives."""
+    nl = spec.num_layers
+    base = d.compute_s + d.gaps_s
+    if spec.layer_timing_interval and step_id % spec.layer_timing_interval == 0:
+        rows = [("embed", 0.02 * base)]
+        for i in range(nl):
+            coll = d.coll_one + spec.collective_delay_s if spec.tp_size > 1 else 0.0
+            rows.append((f"layers.{i}.attn", 0.45 / nl * base + coll))
+            rows.append((f"layers.{i}.mlp", 0.45 / nl * base + coll))
+        rows += [("norm", 0.01 * base), ("lm_head", 0.07 * base)]
+        rows = [(name, x + spec.layer_delay_s.get(name, 0.0)) for name, x in rows] + [("sampler", d.sample_s)]
+        layer_rows += [(step_id, replica, name, x) for name, x in rows]
+    if spec.profile_windows and step_id % 50 < 4 and step_id // 50 < spec.profile_windows:
+        _kernels(spec, step_id, replica, t + d.schedule_s + d.prepare_s, d.compute_s, d.gaps_s, d.n_ops, kernel_rows)
+    if spec.tp_size > 1:
+        t_c = t + d.schedule_s + d.prepare_s
+        for i in range(nl):
+            for op_name in (f"layers.{i}.attn", f"layers.{i}.mlp"):
+                for rank in range(spec.tp_size):
+                    wait = spec.collective_delay_s if rank == 0 else 0.0
+                    coll_rows.append((step_id, replica, rank, "all_reduce", op_name, d.tokens * 4096,
+                                      int(round(t_c * 1e9)), d.coll_one + wait, wait))
 
 
 _OPS = ("rms_norm", "qkv_proj", "rotary", "kv_write", "paged_attention", "o_proj", "rms_norm", "gate_up_proj",

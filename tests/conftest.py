@@ -9,6 +9,7 @@ import inspect
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import types
@@ -177,6 +178,42 @@ def cached_model(out: Path | None, arch: str = "llama", preset: str = "tiny", se
         return entry
     shutil.copytree(entry, out)
     return out
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sys.modules))"],
+                         capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+@pytest.fixture(scope="session")
+def modules_after():
+    """``modules_after(code)``: the modules a fresh interpreter has imported after running ``code``."""
+    return _modules_after
+
+
+@pytest.fixture(scope="session")
+def synth_factory():
+    """``synth_factory(root, **base)``: a ``make(**spec)`` that generates a synthetic bundle under
+    ``root`` once per spec (``base`` updated by ``spec``) and returns its path."""
+    import dataclasses
+    import json
+
+    from layerscope.testing.synth import SynthSpec, generate
+
+    def factory(root: Path, **base):
+        cache: dict[str, str] = {}
+
+        def make(**kw) -> str:
+            spec = SynthSpec(**{**base, **kw})
+            key = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+            if key not in cache:
+                cache[key] = str(generate(spec, root / f"run{len(cache)}"))
+            return cache[key]
+
+        return make
+
+    return factory
 
 
 @pytest.fixture(scope="session")

@@ -1,26 +1,18 @@
 """diagnose reads bundles only: importing it (and running it) must not import the engine, torch or textual."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 DIAGNOSE = Path(__file__).resolve().parents[2] / "diagnose"
 
 
-def _modules_after(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sys.modules))"],
-                         capture_output=True, text=True, check=True)
-    return set(out.stdout.split())
-
-
-def test_import_diagnose_pulls_in_no_engine_torch_or_textual():
-    mods = _modules_after("import layerscope.diagnose")
+def test_import_diagnose_pulls_in_no_engine_torch_or_textual(modules_after):
+    mods = modules_after("import layerscope.diagnose")
     for bad in ("torch", "layerscope.engine", "textual"):
         assert bad not in mods
 
 
-def test_every_diagnose_module_and_a_full_diagnosis_stay_engine_free(tmp_path):
+def test_every_diagnose_module_and_a_full_diagnosis_stay_engine_free(tmp_path, modules_after):
     names = [p.stem for p in DIAGNOSE.glob("*.py") if p.stem != "__init__"]
     code = "\n".join(f"import layerscope.diagnose.{n}" for n in names) + f"""
 from layerscope.testing.synth import SynthSpec, generate
@@ -30,7 +22,7 @@ b = generate(SynthSpec(num_requests=50, step_overhead_s=0.002), {str(tmp_path / 
 summarize(str(a)); compare(str(a), str(b))
 from layerscope.diagnose.cli import add_parser
 """
-    mods = _modules_after(code)
+    mods = modules_after(code)
     assert not {m for m in mods if m == "torch" or m.startswith(("torch.", "layerscope.engine", "textual"))}
 
 

@@ -217,3 +217,16 @@ def test_a_config_change_keeps_its_layer_when_another_phase_stands_out_on_a_vary
     assert any(e.endswith("a config change can move engine.queue") for e in top["evidence"]), top["evidence"]
     ttft = [f for f in d["findings"] if f["metric"] == "ttft_p50_s"]
     assert not [f for f in ttft if f["layer"] == "hardware"], ttft
+
+
+def test_read_machine_reads_the_bundles_own_manifest(tmp_path):
+    """No manifest passed: the section comes from the bundle's manifest.json (through the reader)."""
+    from layerscope.probes.reader import read_manifest
+    from layerscope.testing.synth import SynthSpec, generate
+
+    out = generate(SynthSpec(seed=3, num_requests=20, outside_cpu_cores=0.5), tmp_path / "b")
+    df, section = read_machine(out)
+    assert df is not None and len(df) > 0
+    assert section is not None and section == read_manifest(out)["machine"]
+    (out / "manifest.json").write_text("{not json")
+    assert read_machine(out)[1] is None

@@ -3,23 +3,9 @@ transformers baselines (padded static batches, continuous batching) side by side
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
-
-def _load_script(name: str):
-    """A plain script of the top-level benchmarks/ folder, imported by its path."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script("engine_bench")
+from benchmarks import engine_bench as bench  # the benchmarks/ script (tests/conftest.py puts it on the path)
 
 
 def test_engine_bench_prints_every_figure(capsys):

@@ -3,20 +3,11 @@ interface, and the engine holds its executor through the Executor protocol."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 from layerscope.engine.config import EngineConfig
 
 
-def _modules_after(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sys.modules))"],
-                         capture_output=True, text=True, check=True)
-    return set(out.stdout.split())
-
-
-def test_gateway_process_imports_neither_probes_nor_torch():
-    mods = _modules_after("import layerscope.engine.gateway.server, layerscope.engine.gateway.cli")
+def test_gateway_process_imports_neither_probes_nor_torch(modules_after):
+    mods = modules_after("import layerscope.engine.gateway.server, layerscope.engine.gateway.cli")
     assert not {m for m in mods if m.startswith("layerscope.probes") or m == "torch"}
 
 

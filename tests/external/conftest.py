@@ -8,36 +8,25 @@ the repository root, waits for ``/health`` and stops it on exit (its own process
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
+
+from layerscope.testing import servers
+from layerscope.testing.servers import empty_cwd, free_port
 
 VENV = Path.home() / ".cache" / "layerscope" / "vllm-venv"
 STARTUP_S = 900.0  # torch.compile warm-up on a shared 2-core machine
 
 
-@functools.cache
-def _empty_cwd() -> str:
-    """An empty directory to start other projects' Python in: its working directory goes on
-    sys.path, and in the shared temp directory any folder shadows a package of the same name
-    (a leftover /tmp/z3 broke torch's `import z3` in vLLM's workers)."""
-    return tempfile.mkdtemp(prefix="layerscope-foreign-cwd-")
-
-
 def vllm_python() -> Path:
     py = VENV / "bin" / "python"
-    if py.exists() and subprocess.run([py, "-c", "import vllm"], capture_output=True, cwd=_empty_cwd(),
+    if py.exists() and subprocess.run([py, "-c", "import vllm"], capture_output=True, cwd=empty_cwd(),
                                       timeout=300).returncode == 0:
         return py
     try:
@@ -53,64 +42,15 @@ def vllm_python() -> Path:
     return py
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def server(argv: list[str], log: Path, env: dict[str, str] | None = None, startup_s: float = STARTUP_S):
     """Run ``argv`` (which must bind the port in it) outside the repository; yield its base URL."""
-    port = argv[argv.index("--port") + 1]
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(a) for a in argv], cwd=_empty_cwd(), stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
-    _SERVER_GROUPS[url] = proc.pid  # its own session: process group id = its pid
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not up after {startup_s:.0f} s: {log.read_text()[-3000:]}")
-            time.sleep(2)
-        yield url
-    finally:
-        _SERVER_GROUPS.pop(url, None)
-        stop_group(proc)
-
-
-def stop_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """SIGTERM ``proc``'s process group and wait until every process of it is gone (a server's engine
-    processes too: one left shutting down, or stuck, would take CPU from the tests that come next);
-    SIGKILL whatever is left after ``timeout_s``."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    sig = signal.SIGTERM
-    while True:
-        proc.poll()  # reap the leader: a zombie still counts as a member of the group
+    with servers.server(argv, log, env, startup_s) as (url, proc):
+        _SERVER_GROUPS[url] = proc.pid  # its own session: process group id = its pid
         try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        if time.monotonic() > deadline:
-            if sig == signal.SIGKILL:
-                return
-            sig = signal.SIGKILL
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            deadline = time.monotonic() + 10
-        time.sleep(0.1)
+            yield url
+        finally:
+            _SERVER_GROUPS.pop(url, None)
 
 
 def vllm_argv(py: Path, model: Path, *extra: str) -> list[str]:

@@ -23,6 +23,7 @@ import pytest
 from layerscope.cli import main
 from layerscope.diagnose.external.fleet import diagnose_around, diagnose_windows, fleet_report, import_prometheus
 from layerscope.diagnose.external.prometheus import Prom, PrometheusError
+from layerscope.testing.servers import stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 SEL = '{job="vllm"}'
@@ -47,7 +48,7 @@ def fleet(tmp_path_factory, prometheus_bin, promtool):
     try:
         yield {"url": url, "start": start, "end": end, "model": model, "tsdb": tsdb, "tmp": tmp, "fs": fs}
     finally:
-        fs.stop(proc)
+        stop_group(proc, 30)
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +180,7 @@ def test_basic_auth_and_tls(fleet, tmp_path, prometheus_bin):
         with pytest.raises(PrometheusError, match="cannot reach Prometheus.*CERTIFICATE_VERIFY_FAILED"):
             fleet_report(Prom(url, basic=("alice", "s3cret")), SEL, s, e)
     finally:
-        fs.stop(proc)
+        stop_group(proc, 30)
 
 
 def test_fleet_tui_screen(fleet):

@@ -11,9 +11,7 @@ with a fault that slows its forward pass; replica A is restarted on its port wit
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +25,7 @@ import yaml
 
 from layerscope.diagnose.external.fleet import diagnose_around, fleet_report
 from layerscope.diagnose.external.prometheus import Prom
+from layerscope.testing.servers import stop_group
 
 pytestmark = pytest.mark.slow
 
@@ -61,16 +60,6 @@ def _prometheus(tmp: Path, targets: list[str], free_port) -> tuple[subprocess.Po
         except httpx.HTTPError:
             time.sleep(0.5)
     raise AssertionError((tmp / "prometheus.log").read_text()[-3000:])
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def _load(urls: list[str], seconds: float) -> None:
@@ -110,7 +99,7 @@ def scenario(tmp_path_factory, live, small_model):
         a1 = live.server(_ours(model, pa), tmp / "a1.log", startup_s=300)
         aurl = a1.__enter__()
         proc, prom = _prometheus(tmp, [u.removeprefix("http://") for u in (aurl, burl, vurl)], live.free_port)
-        stack.callback(_stop, proc)
+        stack.callback(stop_group, proc)
         time.sleep(3)
         t0 = time.time()
         _load([aurl, burl, vurl], PHASE_S)

@@ -2,26 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from benchmarks import kernel_bench as bench  # the benchmarks/ script (tests/conftest.py puts it on the path)
 from layerscope.kernels import cpu_native
-
-
-def _load_script(name: str):
-    """A plain script of the top-level benchmarks/ folder, imported by its path."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_script("kernel_bench")
 from layerscope.kernels.dispatch import KERNEL_NAMES
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from layerscope.testing.servers import stop_group
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -212,7 +214,7 @@ def test_fleet_from_the_wheel(venv, tmp_path):
         out = ls(venv, "fleet", "--prometheus", url, "--selector", '{job="vllm"}', "--window",
                  f"{model['last_day'] + 600}..{end}", "--json", cwd=tmp_path).stdout
     finally:
-        fs.stop(proc)
+        stop_group(proc, 30)
     report = json.loads(out)
     assert len(report["replicas"]) == 6
     assert {o["replica"] for o in report["outliers"]} == {model["slow"], model["stuck"], model["skew"]}

@@ -12,7 +12,6 @@ import pandas as pd
 import pytest
 
 from layerscope.cli import main
-from layerscope.testing.synth import SynthSpec, generate
 from layerscope.replay.cost import fit_cost
 from layerscope.replay.inputs import Front, Settings, Workload, load_inputs
 from layerscope.replay.sim import replay
@@ -23,17 +22,8 @@ BASE = dict(num_requests=300, arrival_rate_per_s=80.0)
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    root = tmp_path_factory.mktemp("replay-synth")
-    cache: dict[str, str] = {}
-
-    def make(**kw) -> str:
-        key = json.dumps(kw, sort_keys=True)
-        if key not in cache:
-            cache[key] = str(generate(SynthSpec(**{**BASE, **kw}), root / f"run{len(cache)}"))
-        return cache[key]
-
-    return make
+def bundles(tmp_path_factory, synth_factory):
+    return synth_factory(tmp_path_factory.mktemp("replay-synth"), **BASE)
 
 
 def _steps(n: int, rng) -> pd.DataFrame:
