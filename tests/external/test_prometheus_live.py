@@ -127,7 +127,9 @@ def test_rollout_diagnosed_from_prometheus(scenario):
     assert s["t1"] - 5 <= ro["t"] <= s["t_roll"] + 10, (ro, s)
     changed = {k for c in ro["label_changes"] for k in c["changed"]}
     assert "max_num_seqs" in changed, ro["label_changes"]
-    assert r["verdict"] == "regression", {k: v["delta_pct"] for k, v in r["metrics"].items()}
+    # max_num_seqs=1 queues requests and decodes the admitted one faster: a regression, or a trade-off
+    # (mixed) when the decode side's gain is significant too; engine.queue is primary either way
+    assert r["verdict"] in ("regression", "mixed"), {k: v["delta_pct"] for k, v in r["metrics"].items()}
     assert r["primary"]["layer"] == "engine.queue", r["findings"]
     row = next(c for c in r["config_diff"] if c["key"] == "max_num_seqs")
     assert row["candidate"] == 1 and row["baseline"] != 1 and row["layer"] == "engine.queue"
