@@ -35,8 +35,7 @@ run_pass() {  # NAME THREADS MARKEXPR PYTEST-ARGS...: exit 5 (nothing selected) 
 }
 start=$SECONDS
 # one intra-op thread per worker: threads that spin-wait for a core another worker holds are slow
-# loadgroup: tests of one xdist_group (a module sharing one expensive live fixture) stay on one worker
-run_pass parallel "${OMP_NUM_THREADS:-1}" "${select}not serial" -n "$workers" --dist loadgroup
+run_pass parallel "${OMP_NUM_THREADS:-1}" "${select}not serial" -n "$workers"
 run_pass serial "${OMP_NUM_THREADS:-}" "${select}serial" -p no:xdist
 echo "== wall time $((SECONDS - start)) s"
 # pytest's own closing line goes missing in some full runs here, and there are two passes: print

@@ -135,9 +135,7 @@ def pytest_collection_modifyitems(config, items):
         uses = _uses(item) | {m.name for m in item.iter_markers() if m.name in USES or m.name == "slow"}
         if uses & set(EXTERNAL):
             uses.add("external")
-        # `parallel_ok`: a live test whose effects dwarf a neighbour's noise (it names 150 ms faults and a
-        # max_num_seqs=1 rollout, compares no figure across runs) need not run alone
-        if uses & set(SERIAL) and not item.get_closest_marker("parallel_ok"):
+        if uses & set(SERIAL):
             uses.add("serial")
         if not uses & set(FAST_EXCLUDES):
             uses.add("fast")

@@ -27,8 +27,7 @@ from layerscope.diagnose.external.fleet import diagnose_around, fleet_report
 from layerscope.diagnose.external.prometheus import Prom
 from layerscope.testing.servers import stop_group
 
-# not in the serial pass (tests/conftest.py); its three tests share one live scenario, so one worker runs them
-pytestmark = [pytest.mark.slow, pytest.mark.parallel_ok, pytest.mark.xdist_group("prometheus_live")]
+pytestmark = pytest.mark.slow
 
 FAULT = "model.layer_delay=layers.0.mlp:150"  # ms per forward on replica B
 PHASE_S = 45
