@@ -149,10 +149,10 @@ def test_html_report_renders_in_chromium(regressed, tmp_path):
     assert img[..., :3].std() > 0.05  # text, tables and plots, not a blank page
 
 
-def test_endpoint_versions_are_benched_client_side(results, tmp_path):
+def test_endpoint_versions_are_benched_client_side(tiny_model, tmp_path):
     """Two endpoint versions (here one ``layerscope serve``, twice): ``layerscope bench`` runs,
     client-side figures, no model created, no layer attribution."""
-    model = next((results / "models").iterdir())  # made by the sessions above (or create one)
+    model = tiny_model  # its own (cached) model: under xdist the module's other tests may run on another worker
     serve = subprocess.Popen([sys.executable, "-m", "layerscope", "serve", "--model", str(model), "--port", "0",
                               "--set", "num_threads=1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
