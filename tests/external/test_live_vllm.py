@@ -35,7 +35,8 @@ def test_prefix_caching_off_on_agentic_is_engine_kv(vllm_runs):
 
 def test_starved_kv_cache_is_engine_kv(vllm_runs):
     d = _diag(vllm_runs["aa1"], vllm_runs["starved"])
-    assert d["verdict"] == "regression"
+    # a starved pool trades TTFT for TPOT: mixed when the TPOT gain is significant too (headline rule)
+    assert d["verdict"] in ("regression", "mixed"), {k: (v["delta_pct"], v["significant"]) for k, v in d["metrics"].items()}
     assert d["primary"]["layer"] == "engine.kv", d["findings"][:2]
     assert {"num_gpu_blocks_override", "num_gpu_blocks"} & {c["key"] for c in d["config_diff"]}
 
