@@ -31,21 +31,12 @@ from layerscope.testing import servers
 from layerscope.testing.servers import empty_cwd, free_port
 
 VENV = Path.home() / ".cache" / "layerscope" / "vllm-venv"
-FLAGS_OF_NOTE = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
-
-
 def cpu_description() -> tuple[str, list[str]]:
-    """(model name, the flags that decide the kernels) from /proc/cpuinfo."""
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return model, [f for f in FLAGS_OF_NOTE if f in flags]
+    """(model name, the flags that decide the kernels): the kernel chooser's own reading."""
+    from layerscope.kernels.choose import cpu_info
+
+    info = cpu_info()
+    return info["model"], info["flags"]
 
 
 def vllm_python() -> Path:
