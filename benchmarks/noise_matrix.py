@@ -210,6 +210,35 @@ def report(pairs: list[Pair], file=sys.stdout, header: bool = True) -> dict[str,
     return totals
 
 
+def rescore(saved: Path, out: Path, json_out: str | None = None) -> int:
+    """Score the pairs of ``saved`` (a --json file) again from their bundles under ``out``: a diagnose
+    change measured on the same runs. Prints the old outcome beside the new where they differ."""
+    if not saved.is_file():
+        raise SystemExit(f"no such file: {saved}")
+    data = json.loads(saved.read_text())
+    metric = {s.layer: s.metric for s in LAYERS}
+    pairs, moved = [], []
+    for d in data["pairs"]:
+        old = Pair(**d)
+        p = Pair(old.kind, old.size, old.noise, old.rep, fault=old.fault, others_cpus=old.others_cpus,
+                 seconds=old.seconds, error=old.error)
+        tag = f"{p.kind}-{p.size}-{p.noise}-{p.rep}".replace("/", "")
+        if not p.error:
+            try:
+                score(p, fm._diagnose(out / f"{tag}-base", out / f"{tag}-cand"), metric.get(p.kind, "tpot_p50_s"))
+            except RuntimeError as e:
+                p.error = str(e)
+        if p.outcome != old.outcome:
+            moved.append(f"{tag}: {old.outcome} -> {p.outcome}")
+        pairs.append(p)
+    totals = report(pairs)
+    print(f"{len(moved)} of {len(pairs)} pairs scored differently from {saved.name}" + "".join(f"\n  {m}" for m in moved))
+    if json_out:
+        Path(json_out).write_text(json.dumps({"calibration": data.get("calibration"), "pairs": [asdict(p) for p in pairs]},
+                                             indent=1))
+    return 0 if all(ok == n for ok, n in totals.values()) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model directory (default: a tiny llama made under --out)")
@@ -220,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="pairs a cell")
     ap.add_argument("--aa-reps", type=int, default=3, help="A/A pairs a noise condition (the calibration counts)")
     ap.add_argument("--json", help="also write the pairs to this JSON file")
+    ap.add_argument("--rescore", metavar="JSON", help="no runs: diagnose the bundles a earlier --json run kept "
+                    "under --out again, with this checkout's diagnose, and score them")
     args = ap.parse_args(argv)
+    if args.rescore:
+        return rescore(Path(args.rescore), Path(args.out), args.json)
     known = {s.layer: s for s in LAYERS}
     layers, sizes, noise = args.layers.split(","), args.sizes.split(","), args.noise.split(",")
     for got, allowed, what in ((layers, known, "layers"), (sizes, SIZES, "sizes"), (noise, NOISE, "noise")):
@@ -231,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     # no waiting for a quiet machine, no rerun of a disturbed run: the noise is what is measured
     st = fm.Settings(fm.ensure_model(args.model, out), out, max_busy=1.0, quiet_timeout_s=0, retries=0)
     cal, first = calibrate(st)
-    print(f"calibration (quiet A/A): " + ", ".join(f"{k} {v[0] * 1e3:.1f} ms, MDE {v[1]:.0f}%" for k, v in cal.items()),
+    print("calibration (quiet A/A): " + ", ".join(f"{k} {v[0] * 1e3:.1f} ms, MDE {v[1]:.0f}%" for k, v in cal.items()),
           file=sys.stderr)
     pairs = [first]
     for rep in range(args.reps):

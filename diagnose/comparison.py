@@ -142,7 +142,7 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
         if name == GOODPUT:
             return goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
         if name == WORK_METRIC:
-            return [work_finding(metrics[WORK_METRIC])]
+            return [work_finding(metrics[WORK_METRIC], causes)]
         return metric_findings(name, attribution[name], causes, metrics[name], labels[name])
 
     holm(metrics, rule)

@@ -24,9 +24,9 @@ from __future__ import annotations
 import math
 
 from layerscope.diagnose.headline import headline
-from layerscope.diagnose.rules import FORWARD, HARDWARE, is_front
+from layerscope.diagnose.rules import HARDWARE, is_front
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, repetitions_needed, z
-from layerscope.diagnose.work import layer_of, matched_step_ratio
+from layerscope.diagnose.work import matched_step_ratio, work_parts
 
 STEP_METRIC = "tpot_p50_s"  # the headline metric a step's change shows in (a decode step is a token)
 STEP_PRIOR = "step_s"  # a step's time at equal batch size between identical runs (priors.toml)
@@ -207,13 +207,14 @@ def hidden_change(metrics: dict, env: dict, causes, work: dict | None, rule: Rul
         return None
     if work is not None:  # the steps' own clocks say which phase's work moved
         cf = 1.0
-        phase = "model" if layer_of(work) == FORWARD else "host"
+        moved, parts = work_parts({**work, "delta_pct": 100 * (res - 1)}, causes, STEP_METRIC)
+        phase = next(k for k, v in PHASE_LAYERS.items() if v == moved)
         ratios = {phase: res}
     else:
         ratios = {k: v for k, v in causes.phase_ratios().items() if math.isfinite(v) and v > 0}
         phase = max(ratios, key=lambda k: s * math.log(ratios[k] / cf)) if ratios else "model"
-    # the cause rules name what moved the phase (a routing that moved load onto shared CPUs, a kernel)
-    parts = causes.explain(PHASE_LAYERS[phase], s * 1e-3, STEP_METRIC)
+        # the cause rules name what moved the phase (a routing that moved load onto shared CPUs, a kernel)
+        parts = causes.explain(PHASE_LAYERS[phase], s * 1e-3, STEP_METRIC)
     layer = max(parts, key=lambda x: abs(x.delta_s)).layer if parts else PHASE_LAYERS[phase]
     p = plan(metrics.get(STEP_METRIC) or {}, STEP_METRIC, res, rule)
     out = _inconclusive(STEP_METRIC, layer, p, j)

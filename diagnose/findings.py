@@ -17,7 +17,7 @@ from layerscope.diagnose.analysis import RunAnalysis
 from layerscope.diagnose.attribution import Causes, ms, quantile_components
 from layerscope.diagnose.rules import IDLE, RESIDUAL, WORKLOAD, Finding, Part
 from layerscope.diagnose.work import METRIC as WORK_METRIC
-from layerscope.diagnose.work import layer_of
+from layerscope.diagnose.work import work_parts
 
 MIN_SHARE = 0.02  # findings explaining less than this fold into the residual
 GOODPUT = "goodput_requests_per_s"
@@ -95,16 +95,20 @@ def goodput_findings(a: RunAnalysis, b: RunAnalysis, slo: dict, causes: Causes, 
     return fs
 
 
-def work_finding(w: dict) -> dict:
-    """The step's own time moved at equal batch shape, the CPU wait taken out: more (less) work per step."""
+def work_finding(w: dict, causes: Causes) -> dict:
+    """The step's own time moved at equal batch shape, the CPU wait taken out: more (less) work per step,
+    in the layer the cause rules name for the phase that moved (``work.work_parts``)."""
     word = "grew" if w["delta_pct"] > 0 else "shrank"
-    return {"metric": WORK_METRIC, "layer": layer_of(w), "share": 1.0, "delta_s": w["candidate"] - w["baseline"],
-            "cause": f"the work per step {word} at equal batch shape, with the wait for a CPU taken out",
+    phase, parts = work_parts(w, causes, WORK_METRIC)
+    layer = max(parts, key=lambda x: abs(x.delta_s)).layer if parts else phase
+    why = f" ({parts[0].cause})" if parts and layer != phase else ""
+    return {"metric": WORK_METRIC, "layer": layer, "share": 1.0, "delta_s": w["candidate"] - w["baseline"],
+            "cause": f"the work per step {word} at equal batch shape, with the wait for a CPU taken out{why}",
             "evidence": [f"step own time (wall - CPU wait) {ms(w['baseline'])} -> {ms(w['candidate'])} per step at "
                          f"equal batch shape ({w['delta_pct']:+.0f}%)",
                          f"forward own time x{w['forward_own_ratio']:.2f}, the rest of the step x{w['rest_own_ratio']:.2f}",
                          f"the step loop waited for a CPU {w['wait_share'][0]:.0%} -> {w['wait_share'][1]:.0%} of "
-                         "its wall time"],
+                         "its wall time"] + [e for x in parts for e in x.evidence],
             "config_changes": [], "alternatives": [], "machine_share": plain(w.get("machine_share")),
             "_score": abs(w["delta_pct"]) * (1.0 if w["worse"] else 0.01), "_measured": []}
 

@@ -136,11 +136,25 @@ def _p(rel: float, se: float) -> float | None:
 
 
 def layer_of(change: dict) -> str:
-    """The step phase whose own time moved most: model.forward, or the host side (engine.schedule)."""
+    """The step phase whose own time moved most in the change's direction (a phase that got faster does
+    not explain slower steps, whatever its size): model.forward, or the host side (engine.schedule)."""
     f, r = change.get("forward_own_ratio", math.nan), change.get("rest_own_ratio", math.nan)
-    if not math.isfinite(r) or (math.isfinite(f) and abs(math.log(max(f, 1e-9))) >= abs(math.log(max(r, 1e-9)))):
+    s = 1.0 if change.get("delta_pct", 0.0) >= 0 else -1.0
+    if not math.isfinite(r) or (math.isfinite(f) and s * math.log(max(f, 1e-9)) >= s * math.log(max(r, 1e-9))):
         return "model.forward"
     return "engine.schedule"
+
+
+def work_parts(change: dict, causes, metric: str) -> tuple[str, list]:
+    """(the phase whose own time moved, the cause rules' parts for it): ``layer_of``'s phase, the rest of
+    the step split into host work and output processing by their change per step at equal batch size,
+    then ``causes.explain`` (attribution.Causes) names what moved it (a collective inside the forward,
+    one row, a kernel), as it does for a latency metric's share of a phase."""
+    s = 1.0 if change.get("delta_pct", 0.0) >= 0 else -1.0
+    phase = layer_of(change)
+    if phase != "model.forward":
+        phase = max(("engine.schedule", "engine.output"), key=lambda k: s * causes.phase.get(k, 0.0))
+    return phase, causes.explain(phase, s * 1e-3, metric)
 
 
 def matched_step_ratio(a, b, min_steps: int = 5) -> float:

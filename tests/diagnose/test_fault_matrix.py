@@ -5,7 +5,9 @@ And a reduced noise matrix (benchmarks/noise_matrix.py): a slowdown named with a
 About 4 runs of ~15 s on two cores (the full matrix: python -m layerscope.regressions.fault_matrix).
 """
 
+import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +108,9 @@ def test_a_hog_beside_the_candidate_does_not_hide_a_visible_slowdown(settings):
     assert not p.error and not aa.error, (p.error, aa.error)
     assert p.ok, (p.outcome, p.delta_pct, p.mde_pct, cal)
     assert aa.ok, (aa.outcome, aa.verdict, aa.primary)
+    # --rescore diagnoses the kept bundles again: with the same diagnose, the same outcomes
+    saved = st.out / "pairs.json"
+    saved.write_text(json.dumps({"calibration": cal, "pairs": [dataclasses.asdict(x) for x in (p, aa)]}))
+    again = st.out / "again.json"
+    assert nm.main(["--rescore", str(saved), "--out", str(st.out), "--json", str(again)]) == 0
+    assert [x["outcome"] for x in json.loads(again.read_text())["pairs"]] == [p.outcome, aa.outcome]

@@ -78,3 +78,17 @@ def test_without_the_columns_the_same_pair_is_named_or_inconclusive_never_hardwa
     if d["verdict"] == "inconclusive":
         assert d["inconclusive"]["layer"] == d["primary"]["layer"]
         assert not math.isnan(d["inconclusive"]["target_pct"])
+
+
+def test_the_phase_named_is_the_one_that_moved_with_the_change_not_against_it():
+    """The noise matrix's model.forward pair (a busy baseline): forward own time x2.19 while the rest of
+    the step read x0.35 (a busy baseline's rest is inflated by waits the run-queue clock does not see).
+    A slower step is the forward's, however far the rest moved the other way; the reverse for a faster one."""
+    from layerscope.diagnose.work import layer_of
+
+    slower = {"delta_pct": 30.0, "forward_own_ratio": 2.19, "rest_own_ratio": 0.35}
+    assert layer_of(slower) == "model.forward"
+    assert layer_of({**slower, "forward_own_ratio": 0.9, "rest_own_ratio": 1.6}) == "engine.schedule"
+    faster = {"delta_pct": -30.0, "forward_own_ratio": 2.19, "rest_own_ratio": 0.35}
+    assert layer_of(faster) == "engine.schedule"
+    assert layer_of({"delta_pct": 30.0, "forward_own_ratio": 1.3, "rest_own_ratio": math.nan}) == "model.forward"
