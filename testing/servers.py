@@ -33,29 +33,38 @@ def empty_cwd() -> str:
     return tempfile.mkdtemp(prefix="layerscope-foreign-cwd-")
 
 
+def start(argv: list, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``argv`` in its own process group, outside the repository, output to ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen([str(a) for a in argv], cwd=empty_cwd(), stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def wait_healthy(argv: list, proc: subprocess.Popen, log: Path, startup_s: float = 900.0) -> str:
+    """The base URL of the server ``argv`` started as ``proc``, once its ``/health`` answers 200."""
+    url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+    deadline = time.monotonic() + startup_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv[0]} exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not up after {startup_s:.0f} s: {log.read_text()[-3000:]}")
+        time.sleep(2)
+
+
 @contextmanager
 def server(argv: list, log: Path, env: dict[str, str] | None = None,
            startup_s: float = 900.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """Run ``argv`` (binding 127.0.0.1 and the port in it) in its own process group, outside the
     repository; yield (base URL, process) once ``/health`` answers 200; stop the whole group on exit."""
-    url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(a) for a in argv], cwd=empty_cwd(), stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = start(argv, log, env)
     try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not up after {startup_s:.0f} s: {log.read_text()[-3000:]}")
-            time.sleep(2)
-        yield url, proc
+        yield wait_healthy(argv, proc, log, startup_s), proc
     finally:
         stop_group(proc)
 

@@ -30,8 +30,8 @@ def our_runs(tmp_path_factory, small_model, live):
         argv = [sys.executable, "-m", "layerscope", "serve", "--model", str(small_model), "--port",
                 str(live.free_port()), "--metrics-dialect", "vllm", "--probes", PROBES, *args]
         with live.server(argv, root / f"serve-{name}.log", startup_s=300) as url:
-            for workload in dict.fromkeys(w for w, _ in plan):  # the vLLM session's workloads, params included
-                live.bench(url, workload, root / f"warm-{name}-{workload}", None, *live.params.get(workload, ()))
+            for workload in dict.fromkeys(w for w, _ in plan):  # the vLLM session's warm-ups, params included
+                live.bench(url, workload, root / f"warm-{name}-{workload}", None, *live.warmup_params(name, workload))
             for workload, key in plan:
                 out[key] = live.bench(url, workload, root / key, None, *live.params.get(workload, ()))
             if name == "default":

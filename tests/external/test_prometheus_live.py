@@ -25,7 +25,7 @@ import yaml
 
 from layerscope.diagnose.external.fleet import diagnose_around, fleet_report
 from layerscope.diagnose.external.prometheus import Prom
-from layerscope.testing.servers import stop_group
+from layerscope.testing.servers import start, stop_group, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -93,18 +93,22 @@ def scenario(tmp_path_factory, live, small_model):
                                                       "vllm_python() installs it)")
     pa, pb = live.free_port(), live.free_port()
     with ExitStack() as stack:
-        vurl = stack.enter_context(live.server(live.vllm_argv(py, model, "--max-num-seqs", "8", "--enforce-eager",
-                                                              "--max-model-len", "512"), tmp / "vllm.log", KV_ENV))
-        burl = stack.enter_context(live.server(_ours(model, pb, "--fault", FAULT), tmp / "b.log", startup_s=300))
-        a1 = live.server(_ours(model, pa), tmp / "a1.log", startup_s=300)
-        aurl = a1.__enter__()
+        # the three start together (their start-ups overlap); each waited for, each group stopped on exit
+        specs = {"v": (live.vllm_argv(py, model, "--max-num-seqs", "8", "--enforce-eager", "--max-model-len", "512"),
+                       tmp / "vllm.log", KV_ENV, 900),
+                 "b": (_ours(model, pb, "--fault", FAULT), tmp / "b.log", None, 300),
+                 "a1": (_ours(model, pa), tmp / "a1.log", None, 300)}
+        procs = {k: start(argv, log, env) for k, (argv, log, env, _) in specs.items()}
+        for p in procs.values():
+            stack.callback(stop_group, p)
+        vurl, burl, aurl = (wait_healthy(specs[k][0], procs[k], specs[k][1], specs[k][3]) for k in ("v", "b", "a1"))
         proc, prom = _prometheus(tmp, [u.removeprefix("http://") for u in (aurl, burl, vurl)], live.free_port)
         stack.callback(stop_group, proc)
         time.sleep(3)
         t0 = time.time()
         _load([aurl, burl, vurl], PHASE_S)
         t1 = time.time()
-        a1.__exit__(None, None, None)
+        stop_group(procs["a1"])  # the rollout: A's first process goes, its port is served again below
         a2 = stack.enter_context(live.server(_ours(model, pa, "--set", "max_num_seqs=1"), tmp / "a2.log",
                                              startup_s=300))
         t_roll = time.time()
