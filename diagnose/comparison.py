@@ -29,6 +29,9 @@ from layerscope.diagnose.machine import (higher_is_worse, machine_diff, machine_
 from layerscope.diagnose.stats import (DEFAULT_RULE, Rule, against_improvement, beyond_floor, block_means,
                                       compare_quantile, compare_rate, holm, sensitivity)
 from layerscope.diagnose.contention import could_not_see, hidden_change
+from layerscope.diagnose.front import METRIC as FRONT_METRIC
+from layerscope.diagnose.front import finding as front_finding
+from layerscope.diagnose.front import front_change
 from layerscope.diagnose.findings import goodput_findings, metric_findings, plain, work_finding, workload_finding
 from layerscope.diagnose.headline import DIRECTIONAL, headline, order_by_direction
 from layerscope.diagnose.headline import primary as headline_primary
@@ -131,11 +134,15 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
     work = work_change(a, b, rule)  # None unless both runs' steps carry their CPU wait
     if work is not None:
         metrics[WORK_METRIC] = work
+    gateway = front_change(a, b, _pairs(a.ok, b.ok), rule, saturated)  # None without a gateway (offline)
+    if gateway is not None:
+        metrics[FRONT_METRIC] = gateway
 
     attribution = _attribution(a, b)
     labels = {name: f"{m.upper()} p{int(q * 100)}" for name, m, q, _ in LATENCY_METRICS}
     labels[THROUGHPUT] = "time per output token"
     labels[WORK_METRIC] = "step own time"
+    labels[FRONT_METRIC] = "gateway admission"
 
     def explain(name: str) -> list[dict]:
         """The findings of one metric's change (where it went, layer by layer, and why)."""
@@ -143,6 +150,8 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
             return goodput_findings(a, b, the_slo, causes, metrics[GOODPUT])
         if name == WORK_METRIC:
             return [work_finding(metrics[WORK_METRIC], causes)]
+        if name == FRONT_METRIC:
+            return [front_finding(metrics[FRONT_METRIC])]
         return metric_findings(name, attribution[name], causes, metrics[name], labels[name])
 
     holm(metrics, rule)

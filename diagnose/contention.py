@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 
+from layerscope.diagnose.front import METRIC as FRONT_METRIC
+from layerscope.diagnose.front import judge as judge_gateway
 from layerscope.diagnose.headline import headline
 from layerscope.diagnose.rules import HARDWARE, is_front
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, repetitions_needed, z
@@ -135,6 +137,8 @@ def settle(verdict: str, metrics: dict, findings: list[dict], env: dict, causes,
     ``hardware(names)``: the hardware findings for the metrics the machine accounts for."""
     judged = {n: judge_front(metrics[n], env) if _front_main(findings, n) and _front_measured(env)
               else judge(n, metrics[n], env, causes, work, rule) for n in explained}
+    if FRONT_METRIC in judged:  # the gateway's own row: how far beyond what its process's wait predicts
+        judged[FRONT_METRIC] = judge_gateway(metrics[FRONT_METRIC], env, rule) or judged[FRONT_METRIC]
     machine = [n for n, j in judged.items() if j["label"] == "machine"]
     software = [n for n, j in judged.items() if j["label"] == "software"]
     unsure = [n for n, j in judged.items() if j["label"] == "unsure"]

@@ -21,6 +21,7 @@ import pandas as pd
 from layerscope.diagnose.config_diff import can_move
 from layerscope.diagnose.rules import FRONT_LAYERS, GATEWAY_LAYERS, HARDWARE, ROUTE
 from layerscope.diagnose.rules import MACHINE_LAYERS as _MACHINE_LAYERS
+from layerscope.diagnose.work import METRIC as WORK_METRIC
 from layerscope.diagnose.rules import within as _within
 from layerscope.diagnose.stats import mann_whitney_p
 
@@ -220,7 +221,9 @@ def machine_verdict(verdict: str, metrics: dict, findings: list[dict], env: dict
     ``interleaved``: see ``machine_explains``. Returns (verdict, findings, inconclusive or None).
     ``work``: ``work.work_change`` of the runs (None without the steps' work columns)."""
     sig = [n for n, m in metrics.items() if m["significant"]]
-    explained = [n for n in sig if machine_explains(metrics[n], higher_is_worse(n), env, interleaved)]
+    # the steps' own time has the wait for a CPU taken out already: contention.judge weighs it, never the
+    # standout rule below (which would hand a busier run's whole step change to the machine)
+    explained = [n for n in sig if n != WORK_METRIC and machine_explains(metrics[n], higher_is_worse(n), env, interleaved)]
     note = ("the machine differed too: " if env.get("changed") else "the machine: ") + "; ".join(env["evidence"])
     if explained and not env.get("changed"):
         explained, note = _only_varied(explained, metrics, findings, env, causes, note)

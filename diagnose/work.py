@@ -106,6 +106,8 @@ def work_change(a, b, rule: Rule = DEFAULT_RULE, alpha: float | None = None) -> 
     d_wait = float(np.mean(wb["wait_s"].to_numpy() - wait_at(tb)))
     fwd_at = _line(wa["tokens"].to_numpy(), wa["forward_own_s"].to_numpy())
     fwd_exp = float(np.nanmean(fwd_at(tb)))
+    if not fwd_exp > 0:  # the baseline's line read at the candidate's batches ran below zero: its mean
+        fwd_exp = float(np.nanmean(wa["forward_own_s"]))
     fwd_b = float(np.nanmean(wb["forward_own_s"]))
     rest_exp, rest_b = exp_mean - fwd_exp, float(np.mean(wb["own_s"])) - fwd_b
     return {
@@ -151,7 +153,10 @@ def work_parts(change: dict, causes, metric: str) -> tuple[str, list]:
     then ``causes.explain`` (attribution.Causes) names what moved it (a collective inside the forward,
     one row, a kernel), as it does for a latency metric's share of a phase."""
     s = 1.0 if change.get("delta_pct", 0.0) >= 0 else -1.0
-    phase = layer_of(change)
+    if all(math.isfinite(change.get(k, math.nan)) for k in ("forward_own_ratio", "rest_own_ratio")):
+        phase = layer_of(change)
+    else:  # no own-time ratio for a phase: the phases' wall time per step at equal batch size decides
+        phase = max(("model.forward", "engine.schedule", "engine.output"), key=lambda k: s * causes.phase.get(k, 0.0))
     if phase != "model.forward":
         phase = max(("engine.schedule", "engine.output"), key=lambda k: s * causes.phase.get(k, 0.0))
     return phase, causes.explain(phase, s * 1e-3, metric)
