@@ -250,12 +250,14 @@ def _settle(verdict: str, metrics: dict, findings: list[dict], a: RunAnalysis, b
         # varied hit both versions alike there, so only a machine that differed explains it
         verdict, findings, inconclusive = machine_verdict(verdict, metrics, findings, env, causes, cdiff,
                                                           interleaved=interleaved, work=work, rule=rule)
-    elif verdict == "no_change" and machine_relevant(env):  # a busier baseline goes through the same check
+    if verdict in ("no_change", "environment_changed") and not same and machine_relevant(env):
+        # a busier baseline goes through the same check: what the machine explains may hide a change
+        # the other way (its TTFT fell by the hog's share while the candidate's steps grew)
         inconclusive = hidden_change(metrics, env, causes, work, rule)
         if inconclusive is not None:
             verdict = "inconclusive"
             findings = [inconclusive.pop("finding")] + findings
-        else:
+        elif verdict == "no_change":
             could = could_not_see(metrics, env, causes, work, rule)
     return verdict, findings, inconclusive, could
 

@@ -222,7 +222,8 @@ def hidden_change(metrics: dict, env: dict, causes, work: dict | None, rule: Rul
     layer = max(parts, key=lambda x: abs(x.delta_s)).layer if parts else PHASE_LAYERS[phase]
     p = plan(metrics.get(STEP_METRIC) or {}, STEP_METRIC, res, rule)
     out = _inconclusive(STEP_METRIC, layer, p, j)
-    out["text"] = ("inconclusive: no headline metric moved, but the machines differed and, with the contention "
+    out["text"] = ("inconclusive: no headline metric moved beyond what the machine explains, but the machines "
+                   "differed and, with the contention "
                    f"taken out, the candidate's steps were x{res:.2f} ({'slower' if s > 0 else 'faster'}), most in "
                    f"{layer}: a change the {'baseline' if s > 0 else 'candidate'}'s busier machine may hide. "
                    + out["text"].split(". ", 1)[1])
