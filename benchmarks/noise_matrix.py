@@ -50,7 +50,8 @@ class Slowdown:
     layer: str  # the layer a correct diagnosis names
     fault: str  # the fault of engine/faults.py
     metric: str  # the metric it moves: its quiet MDE sizes the fault
-    per_unit: float = 1.0  # the metric's change (s) per fault unit (ms), divided out when sizing
+    per_unit: float | str = 1.0  # the metric's change per fault unit (ms is ms), divided out when sizing;
+    # "collectives": the collectives a step runs, counted in the calibration's baseline run
     baseline: dict[str, Any] = field(default_factory=dict)  # run arguments of both runs (tp, profile)
     row: str = ""  # model.layer_delay's row
 
@@ -63,8 +64,11 @@ LAYERS: tuple[Slowdown, ...] = (
     Slowdown("engine.schedule", "engine.step_overhead_ms", "tpot_p50_s"),
     Slowdown("model.forward", "model.layer_delay", "tpot_p50_s", row="layers.1.mlp"),
     Slowdown("engine.output", "output.delay_ms", "tpot_p50_s"),
-    Slowdown("parallel.collective", "collective.delay_ms", "tpot_p50_s", per_unit=4.0, baseline={"tp": 2}),
+    Slowdown("parallel.collective", "collective.delay_ms", "tpot_p50_s", per_unit="collectives", baseline={"tp": 2}),
 )
+# Each distinct ``baseline`` is calibrated by a quiet pair of its own: a TP-2 step on two cores runs six
+# gloo all-reduces (~10 ms a token against TP-1's 0.7 ms), so TP-1's MDE sizes a collective delay far
+# below what a TP-2 pair can see (the first full matrix did: +1 ms a step on 10 ms, 11 of 18 pairs missed).
 
 
 @dataclass
@@ -155,26 +159,40 @@ def kwargs(slow: Slowdown | None, amount_ms: float | None) -> dict[str, Any]:
     return kw
 
 
-def calibrate(st: fm.Settings) -> tuple[dict[str, tuple[float, float]], Pair]:
-    """A quiet A/A pair: {metric: (baseline value s, MDE %)} for TPOT and TTFT p50, and the pair."""
+def calibrate(st: fm.Settings, baseline: dict | None = None) -> tuple[dict[str, Any], Pair]:
+    """A quiet A/A pair of the runs ``baseline`` (Slowdown.baseline: {} is the plain run): {metric:
+    (baseline value s, MDE %)} for TPOT and TTFT p50, ``collectives_per_step``, and the pair."""
+    from layerscope.diagnose.analysis import RunAnalysis
     from layerscope.diagnose.comparison import compare
 
-    pair = Pair("A/A", "aa", "none", 0)
-    run_pair(st, pair, kwargs(None, None), kwargs(None, None), "tpot_p50_s")
+    tag = "".join(f"-{k}{v}" for k, v in sorted((baseline or {}).items()))
+    pair = Pair("A/A", "aa" + tag, "none", 0)
+    run_pair(st, pair, {**kwargs(None, None), **(baseline or {})}, {**kwargs(None, None), **(baseline or {})},
+             "tpot_p50_s")
     if pair.error:
         raise SystemExit(f"calibration failed: {pair.error}")
-    d = compare(st.out / "AA-aa-none-0-base", st.out / "AA-aa-none-0-cand").diagnosis
-    cal = {}
-    for name in ("tpot_p50_s", "ttft_p50_s"):
-        m = d["metrics"][name]
-        cal[name] = (m["baseline"], m["mde_pct"])
+    name = f"AA-aa{tag}-none-0"
+    d = compare(st.out / f"{name}-base", st.out / f"{name}-cand").diagnosis
+    cal: dict[str, Any] = {}
+    for metric in ("tpot_p50_s", "ttft_p50_s"):
+        m = d["metrics"][metric]
+        cal[metric] = (m["baseline"], m["mde_pct"])
+    a = RunAnalysis(st.out / f"{name}-base")
+    cr = a.collective_ranks
+    steps = len(a.run.steps)
+    cal["collectives_per_step"] = (float(cr["num_collectives"].iloc[0]) / steps
+                                   if cr is not None and len(cr) and steps else None)
     return cal, pair
 
 
-def size_ms(slow: Slowdown, size: str, cal: dict[str, tuple[float, float]]) -> float:
-    """The fault's amount (ms) that moves ``slow.metric`` by VISIBLE_X (x MIDDLE_X) its quiet MDE."""
+def size_ms(slow: Slowdown, size: str, cal: dict[str, Any]) -> float:
+    """The fault's amount (ms) that moves ``slow.metric`` by VISIBLE_X (x MIDDLE_X) its quiet MDE,
+    ``cal`` being the calibration of the slowdown's own baseline runs."""
     base_s, mde_pct = cal[slow.metric]
-    visible = VISIBLE_X * mde_pct / 100 * base_s * 1e3 / slow.per_unit
+    per_unit = cal["collectives_per_step"] if slow.per_unit == "collectives" else slow.per_unit
+    if not per_unit:
+        raise SystemExit(f"{slow.layer}: the calibration counted no {slow.per_unit} a step")
+    visible = VISIBLE_X * mde_pct / 100 * base_s * 1e3 / per_unit
     return visible if size == "visible" else MIDDLE_X * visible
 
 
@@ -263,16 +281,25 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # no waiting for a quiet machine, no rerun of a disturbed run: the noise is what is measured
     st = fm.Settings(fm.ensure_model(args.model, out), out, max_busy=1.0, quiet_timeout_s=0, retries=0)
-    cal, first = calibrate(st)
-    print("calibration (quiet A/A): " + ", ".join(f"{k} {v[0] * 1e3:.1f} ms, MDE {v[1]:.0f}%" for k, v in cal.items()),
-          file=sys.stderr)
-    pairs = [first]
+    cals: dict[str, dict[str, Any]] = {}
+    pairs: list[Pair] = []
+    for layer in [None, *layers]:  # the plain runs' calibration is the "none" condition's first A/A pair
+        base = known[layer].baseline if layer else {}
+        key = json.dumps(base, sort_keys=True)
+        if key in cals or (layer is None and args.aa_reps == 0 and all(known[x].baseline for x in layers)):
+            continue
+        cals[key], first = calibrate(st, base)
+        if not base:
+            pairs.append(first)
+        print(f"calibration {base or 'plain'} (quiet A/A): " + ", ".join(
+            f"{k} {v[0] * 1e3:.1f} ms, MDE {v[1]:.0f}%" for k, v in cals[key].items() if isinstance(v, tuple))
+            + f", {cals[key]['collectives_per_step']} collectives a step", file=sys.stderr)
     for rep in range(args.reps):
         for nz in noise:
             for layer in layers:
                 slow = known[layer]
                 for size in sizes:
-                    ms = size_ms(slow, size, cal)
+                    ms = size_ms(slow, size, cals[json.dumps(slow.baseline, sort_keys=True)])
                     p = Pair(layer, size, nz, rep, fault=f"{slow.fault}={ms:.2f}ms")
                     pairs.append(run_pair(st, p, kwargs(slow, None), kwargs(slow, ms), slow.metric))
                     report(pairs[-1:], sys.stderr, header=False)
@@ -282,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                 report(pairs[-1:], sys.stderr, header=False)
     totals = report(pairs)
     if args.json:
-        Path(args.json).write_text(json.dumps({"calibration": cal, "pairs": [asdict(p) for p in pairs]}, indent=1))
+        Path(args.json).write_text(json.dumps({"calibration": cals, "pairs": [asdict(p) for p in pairs]}, indent=1))
     return 0 if all(ok == n for ok, n in totals.values()) else 1
 
 
