@@ -15,10 +15,11 @@ import math
 import numpy as np
 
 from layerscope.diagnose import decompose
+from layerscope.diagnose.rules import ADMISSION
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, compare_quantile, z
 
 METRIC = "gateway_queue_s"
-LAYER = "gateway.queue"
+LAYER = ADMISSION
 LABEL = "gateway admission p50"
 
 

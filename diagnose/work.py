@@ -17,6 +17,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from layerscope.diagnose.rules import FORWARD, HOST_PHASES
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, beyond_floor, block_means, sensitivity, z
 
 COLUMNS = ("cpu_ns", "wait_ns", "forward_cpu_ns", "forward_wait_ns")
@@ -143,8 +144,8 @@ def layer_of(change: dict) -> str:
     f, r = change.get("forward_own_ratio", math.nan), change.get("rest_own_ratio", math.nan)
     s = 1.0 if change.get("delta_pct", 0.0) >= 0 else -1.0
     if not math.isfinite(r) or (math.isfinite(f) and s * math.log(max(f, 1e-9)) >= s * math.log(max(r, 1e-9))):
-        return "model.forward"
-    return "engine.schedule"
+        return FORWARD
+    return HOST_PHASES[0]
 
 
 def work_parts(change: dict, causes, metric: str) -> tuple[str, list]:
@@ -156,9 +157,9 @@ def work_parts(change: dict, causes, metric: str) -> tuple[str, list]:
     if all(math.isfinite(change.get(k, math.nan)) for k in ("forward_own_ratio", "rest_own_ratio")):
         phase = layer_of(change)
     else:  # no own-time ratio for a phase: the phases' wall time per step at equal batch size decides
-        phase = max(("model.forward", "engine.schedule", "engine.output"), key=lambda k: s * causes.phase.get(k, 0.0))
-    if phase != "model.forward":
-        phase = max(("engine.schedule", "engine.output"), key=lambda k: s * causes.phase.get(k, 0.0))
+        phase = max((FORWARD, *HOST_PHASES), key=lambda k: s * causes.phase.get(k, 0.0))
+    if phase != FORWARD:
+        phase = max(HOST_PHASES, key=lambda k: s * causes.phase.get(k, 0.0))
     return phase, causes.explain(phase, s * 1e-3, metric)
 
 
