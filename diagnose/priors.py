@@ -22,6 +22,8 @@ PRIORS = Path(__file__).with_name("priors.toml")
 METRICS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_p50_s", "output_tokens_per_s",
            "goodput_requests_per_s")
 FALSE_ALARMS = ("regression", "improvement", "mixed")
+# the rows a comparison adds where the runs measured them -> their prior's name in priors.toml
+ROWS = {"step_work_s": "step_own_s", "gateway_queue_s": "gateway_queue_s"}
 
 
 def load(path: Path = PRIORS) -> dict[str, dict]:
@@ -57,9 +59,9 @@ def estimate(dirs: list[Path]) -> dict:
         c = compare(ra, rb)
         d = c.diagnosis
         row = {"pair": f"{a.parent.parent.name}/{a.parent.name}", "kind": kind}
-        for m in METRICS:
-            x, y = d["metrics"][m]["baseline"], d["metrics"][m]["candidate"]
-            row[m] = math.log(y / x) if x and y and x > 0 and y > 0 else None
+        for m in (*METRICS, *ROWS):
+            x, y = ((d["metrics"].get(m) or {}).get(k) for k in ("baseline", "candidate"))
+            row[ROWS.get(m, m)] = math.log(y / x) if x and y and x > 0 and y > 0 else None
         from layerscope.diagnose.attribution import Causes
 
         sr = Causes(ra, rb, set(), False, False, same_machine=True).step_ratio()
@@ -72,7 +74,7 @@ def estimate(dirs: list[Path]) -> dict:
     out = {"pairs": rows, "verdicts": verdicts, "spread": {}}
     for kind in ("quiet", "busy", "all"):
         sel = [r for r in rows if kind == "all" or r["kind"] == kind]
-        out["spread"][kind] = {m: _spread([r[m] for r in sel]) for m in (*METRICS, "step_s")}
+        out["spread"][kind] = {m: _spread([r[m] for r in sel]) for m in (*METRICS, *ROWS.values(), "step_s")}
         out["spread"][kind]["n_pairs"] = len(sel)
     alarms = [v for v in verdicts if v["verdict"] in FALSE_ALARMS]
     out["false_alarms"] = {"comparisons": len(verdicts), "software_verdicts": len(alarms),

@@ -39,3 +39,16 @@ def test_the_step_prior_is_what_the_recorded_quiet_pairs_give():
 def test_estimate_needs_pairs(tmp_path, capsys):
     assert priors.main([str(tmp_path / "missing")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_the_work_row_priors_are_what_their_recorded_quiet_pairs_give():
+    """step_own_s and gateway_queue_s come from an A/A set recorded with the steps' work columns
+    (tests/data/aa_priors/work_rows.json: per-pair log ratios, kept apart from the noise matrix)."""
+    s = json.loads((Path(__file__).parents[1] / "data" / "aa_priors" / "work_rows.json").read_text())
+    quiet = [r for r in s["pairs"] if r["kind"] == "quiet"]
+    assert len(quiet) == 4
+    for key in ("step_own_s", "gateway_queue_s"):
+        got = math.sqrt(sum(r[key] ** 2 for r in quiet) / len(quiet) / 2)
+        assert abs(got - priors.load()["chat"][key]["spread"]) < 5e-4, (key, got)
+        assert priors.load()["chat"][key]["n_runs"] == 2 * len(quiet)
+    assert s["false_alarms"]["software_verdicts"] == 0
