@@ -40,7 +40,19 @@ def front_change(a, b, pairs, rule: Rule = DEFAULT_RULE, saturated: bool = False
     else:
         row = compare_quantile(va, vb, 0.5, "p50", rule, metric=METRIC, run_se=run_se)
     row["label"] = LABEL
+    row["queued"] = bool(queued(va) or queued(vb))
     return row
+
+
+def queued(v: np.ndarray) -> bool:
+    """Requests waited behind others in the admission (a queue: the median many times the fastest
+    requests'), not a cost each paid alike: a queue's wait grows without bound as its server slows
+    (an A/A burst pair read 19 -> 114 ms beside a busier front end), a cost's no more than the stretch."""
+    v = v[np.isfinite(v)]
+    return bool(len(v) >= 5 and np.quantile(v, 0.5) > QUEUE_RATIO * max(np.quantile(v, 0.05), 1e-6))
+
+
+QUEUE_RATIO = 3.0  # median / p5 of the admission beyond which it is a queue (quiet chat runs: ~1.2)
 
 
 def finding(row: dict) -> dict:
@@ -56,8 +68,9 @@ def finding(row: dict) -> dict:
 
 def judge(row: dict, env: dict, rule: Rule = DEFAULT_RULE) -> dict | None:
     """software | machine | unsure for the row on machines that differed, from the gateway process's
-    run-queue wait share f: contention stretches its event loop by at most (1 - f_a) / (1 - f_b). Beyond
-    that by the row's floor, the way it moved: ``software``; within one SE: ``machine``; else ``unsure``.
+    run-queue wait share f: contention stretches a cost each request pays by at most (1 - f_a) / (1 - f_b).
+    Beyond that by the row's floor, the way it moved: ``software``; within one SE: ``machine``; else
+    ``unsure``. A queued admission (``queued``) is judged as any front-end change (contention.judge_front).
     None where the gateway's wait was not recorded."""
     w = env.get("front_wait_share")
     if not w or not all(x is not None and math.isfinite(x) and x < 1 for x in w):
@@ -67,6 +80,10 @@ def judge(row: dict, env: dict, rule: Rule = DEFAULT_RULE) -> dict | None:
     if d is None or not math.isfinite(d) or d <= -100:
         return None
     s = 1.0 if row.get("worse") else -1.0
+    if row.get("queued"):  # no bound on what contention does to a queue: the process's wait alone decides
+        from layerscope.diagnose.contention import judge_front
+
+        return judge_front(row, env)
     predicted = (1 - fa) / (1 - fb)
     res = (1 + d / 100) / predicted
     se = row["floor_pct"] / 100 / z(1 - rule.alpha / 2)

@@ -28,6 +28,7 @@ POLARITY = [
     (r"^host share of step time", 0, None),
     (r"^output phase per step (at equal batch size )?", +1, "arrow"),
     (r"^collective time per step ", +1, "arrow"),
+    (r"^gateway admission per request \(median\) ", +1, "arrow"),
     (r"^forward per step ", +1, "arrow"),
     (r"^KV free blocks at 0 on ", +1, "arrow"),
     (r"^preemptions ", +1, "arrow"),
