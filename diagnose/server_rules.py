@@ -179,6 +179,20 @@ def _capped_explain(ctx: dict, keys: dict) -> dict:
         f"KV usage max {_pct(ka['usage_max'])} -> {_pct(kb['usage_max'])} (not KV-bound)"]}
 
 
+def _uncapped(ctx: dict, keys: dict) -> bool:
+    """The mirror of ``_capped``: the baseline was held at its cap and the candidate is not."""
+    return _capped({**ctx, "batch": ctx["batch"][::-1]}, keys) and not _capped(ctx, keys)
+
+
+def _uncapped_explain(ctx: dict, keys: dict) -> dict:
+    ba, bb = ctx["batch"]
+    cause = (f"admission cap lifted: max_num_seqs {keys['max_num_seqs']['baseline']} -> "
+             f"{keys['max_num_seqs']['candidate']}" if "max_num_seqs" in keys else "admission no longer capped")
+    return {"cap": True, "engine.queue.cause": cause, "engine.queue.evidence": [
+        f"running = max_num_seqs with requests waiting on {_pct(ba['capped_share'])} of the baseline's scrapes, "
+        f"{_pct(bb['capped_share'])} of the candidate's", f"waiting mean {ba['waiting_mean']} -> {bb['waiting_mean']}"]}
+
+
 def _prefix_lost(ctx: dict, keys: dict) -> bool:
     pa, pb = ctx["prefix"]
     return (pa["hit_rate"] is not None and pb["hit_rate"] is not None and pa["hit_rate"] >= 0.1
@@ -214,6 +228,8 @@ PAIR_RULES: tuple[PairRule, ...] = (
     PairRule("admission_capped", "engine.queue", ("running", "waiting", "max_num_seqs"), _capped, _capped_explain,
              "running at max_num_seqs with requests waiting on 10 points more scrapes, or the cap changed and "
              "more requests wait"),
+    PairRule("admission_uncapped", "engine.queue", ("running", "waiting", "max_num_seqs"), _uncapped, _uncapped_explain,
+             "the mirror: the baseline was capped and the candidate is not"),
     PairRule("prefix_lost", "engine.kv", ("prefix_hits", "prefix_queries"), _prefix_lost, _prefix_explain,
              "the prefix-cache hit rate fell below half of a baseline >= 10 %"),
     PairRule("kv_starved", "engine.kv", ("kv_capacity", "kv_usage", "preemptions"), _starved, _starved_explain,
