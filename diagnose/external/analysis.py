@@ -172,7 +172,7 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     causes = _causes(ctx, cdiff)
     for name, concept, layer in SERVER:
         if name in metrics and metrics[name]["significant"]:
-            findings.append(server_finding(name, concept, layer, metrics[name], causes, cdiff, ctx["batch"]))
+            findings.append(server_finding(name, concept, layer, metrics[name], causes, cdiff))
     # The verdict is what the users of the server saw: the client-side metrics when both runs have
     # client records (the server's per-request histograms then explain, they do not decide: a burst's
     # queue/prefill split moves with its scheduling order while the client sees nothing change), the
@@ -365,8 +365,7 @@ def _causes(ctx: dict, cdiff: list[dict]) -> dict[str, Any]:
     return pair_causes(ctx, cdiff)
 
 
-def server_finding(name: str, concept: str, layer: str, metric: dict, causes: dict, cdiff: list[dict],
-                   batch: tuple[dict, dict] | None = None) -> dict:
+def server_finding(name: str, concept: str, layer: str, metric: dict, causes: dict, cdiff: list[dict]) -> dict:
     kv = causes.get("engine.kv") and not causes.get("cap")
     if kv and (layer == "engine.queue" or (concept == "prefill_time" and causes.get("prefix"))):
         layer = "engine.kv"
@@ -374,9 +373,6 @@ def server_finding(name: str, concept: str, layer: str, metric: dict, causes: di
     ev = [f"{concept.replace('_', ' ')} {metric['baseline'] * 1e3:.1f} -> {metric['candidate'] * 1e3:.1f} ms per "
           f"request (server histogram, mean over {metric['n_candidate']} requests)"]
     ev += list(causes.get(layer + ".evidence", []))
-    ra, rb = ((x or {}).get("running_mean") for x in batch) if batch else (None, None)
-    if concept == "tpot" and ra is not None and rb is not None:  # a step's time per token grows with its batch
-        ev.append(f"requests running per scrape (mean) {ra:.3g} -> {rb:.3g}")
     return {"metric": name, "layer": layer, "share": 1.0, "delta_s": delta,
             "cause": causes.get(layer + ".cause", HARDWARE if layer == "model.forward" and not cdiff else
                                 "measured on the server's histograms"), "evidence": ev,
