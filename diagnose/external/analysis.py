@@ -199,7 +199,9 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     elif verdict in DIRECTIONAL:
         verdict, findings, inconclusive = _machine_verdict(verdict, metrics, findings, env, cdiff, worse + better,
                                                            rule)
-    against = against_improvement({k: v for k, v in metrics.items() if decides(k)}, rule, higher_is_worse)
+    # a metric the client could not measure (``unreliable``) is no evidence against an improvement either
+    against = against_improvement({k: v for k, v in metrics.items() if decides(k) and not v.get("unreliable")}, rule,
+                                  higher_is_worse)
     if verdict == "improvement" and against:  # a trade-off (docs/diagnose.md §2): its cost leads
         verdict = "mixed"
         for name in against:
