@@ -176,7 +176,32 @@ def _capped_explain(ctx: dict, keys: dict) -> dict:
     return {"cap": True, "engine.queue.cause": cause, "engine.queue.evidence": [
         f"running = max_num_seqs with requests waiting on {_pct(bb['capped_share'])} of scrapes (was "
         f"{_pct(ba['capped_share'])})", f"waiting mean {ba['waiting_mean']} -> {bb['waiting_mean']}",
-        f"KV usage max {_pct(ka['usage_max'])} -> {_pct(kb['usage_max'])} (not KV-bound)"]}
+        f"KV usage max {_pct(ka['usage_max'])} -> {_pct(kb['usage_max'])} (not KV-bound)"], **_batch_follows(ba, bb)}
+
+
+def _batch_follows(ba: dict, bb: dict) -> dict:
+    """A cap moves the batch each step runs, and with it the model's time per step and per token."""
+    ra, rb = ba.get("running_mean"), bb.get("running_mean")
+    if ra is None or rb is None:
+        return {}
+    return {"model.forward.cause": f"the batch per step follows the cap: requests running {ra:.3g} -> {rb:.3g} "
+                                   "(scrapes, mean)",
+            "model.forward.evidence": [f"requests running per scrape (mean) {ra:.3g} -> {rb:.3g}"]}
+
+
+def _uncapped(ctx: dict, keys: dict) -> bool:
+    """The mirror of ``_capped``: the baseline was held at its cap and the candidate is not."""
+    return _capped({**ctx, "batch": ctx["batch"][::-1]}, keys) and not _capped(ctx, keys)
+
+
+def _uncapped_explain(ctx: dict, keys: dict) -> dict:
+    ba, bb = ctx["batch"]
+    cause = (f"admission cap lifted: max_num_seqs {keys['max_num_seqs']['baseline']} -> "
+             f"{keys['max_num_seqs']['candidate']}" if "max_num_seqs" in keys else "admission no longer capped")
+    return {"cap": True, "engine.queue.cause": cause, "engine.queue.evidence": [
+        f"running = max_num_seqs with requests waiting on {_pct(ba['capped_share'])} of the baseline's scrapes, "
+        f"{_pct(bb['capped_share'])} of the candidate's", f"waiting mean {ba['waiting_mean']} -> {bb['waiting_mean']}"],
+            **_batch_follows(ba, bb)}
 
 
 def _prefix_lost(ctx: dict, keys: dict) -> bool:
@@ -214,6 +239,8 @@ PAIR_RULES: tuple[PairRule, ...] = (
     PairRule("admission_capped", "engine.queue", ("running", "waiting", "max_num_seqs"), _capped, _capped_explain,
              "running at max_num_seqs with requests waiting on 10 points more scrapes, or the cap changed and "
              "more requests wait"),
+    PairRule("admission_uncapped", "engine.queue", ("running", "waiting", "max_num_seqs"), _uncapped, _uncapped_explain,
+             "the mirror: the baseline was capped and the candidate is not"),
     PairRule("prefix_lost", "engine.kv", ("prefix_hits", "prefix_queries"), _prefix_lost, _prefix_explain,
              "the prefix-cache hit rate fell below half of a baseline >= 10 %"),
     PairRule("kv_starved", "engine.kv", ("kv_capacity", "kv_usage", "preemptions"), _starved, _starved_explain,

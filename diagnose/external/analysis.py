@@ -22,8 +22,8 @@ from layerscope.diagnose.external.run import ExternalRun, load_external
 from layerscope.diagnose.headline import DIRECTIONAL, headline
 from layerscope.diagnose.server_rules import ServerState, pair_causes, server_findings
 from layerscope.diagnose.machine import higher_is_worse, machine_diff, machine_explains, machine_json, machine_relevant
-from layerscope.diagnose.stats import (EXTERNAL_RULE, Rule, against_improvement, beyond_floor, compare_quantile,
-                                      compare_rate, holm, quantile, sensitivity)
+from layerscope.diagnose.external.histcompare import compare_histograms
+from layerscope.diagnose.stats import EXTERNAL_RULE, Rule, against_improvement, compare_quantile, compare_rate, holm, quantile
 
 SCHEMA = "layerscope.diagnosis/1"
 REPORT_SCHEMA = "layerscope.external-report/1"
@@ -34,7 +34,11 @@ THROUGHPUT = "output_tokens_per_s"
 # server-side per-request histograms compared as metrics of their own: name, concept, layer
 SERVER = (("server_queue_time_mean_s", "queue_time", "engine.queue"),
           ("server_prefill_time_mean_s", "prefill_time", "model.forward"),
-          ("server_decode_time_mean_s", "decode_time", "model.forward"))
+          ("server_decode_time_mean_s", "decode_time", "model.forward"),
+          ("server_tpot_mean_s", "tpot", "model.forward"))
+# With client records the clients decide; a server histogram stands in only for the client measure it
+# is the server's copy of, when the client could not measure it (tokens arrived together).
+STAND_IN = {"server_tpot_mean_s": ("tpot_p50_s", "tpot_p99_s", "itl_p50_s")}
 
 
 def _as_run(x: ExternalRun | str | Path) -> ExternalRun:
@@ -134,10 +138,19 @@ def _metrics(a: ExternalRun, b: ExternalRun, rule: Rule, paired: bool) -> dict[s
     metrics[THROUGHPUT] = compare_rate(ta, np.full(len(ta), a.duration_s / max(len(ta), 1)), tb,
                                        np.full(len(tb), b.duration_s / max(len(tb), 1)), rule, metric=THROUGHPUT)
     for name, concept, _ in SERVER:
-        ha, hb = a.hist(concept), b.hist(concept)
+        ha, hb = _server_hists(a, b, concept)
         if ha is not None and hb is not None:
             metrics[name] = compare_histograms(ha, hb, rule)
     return metrics
+
+
+def _server_hists(a: ExternalRun, b: ExternalRun, concept: str) -> tuple:
+    """Both runs' histogram deltas of ``concept``; for ``tpot`` (per request, vLLM 0.11+) the per-token
+    ITL histogram where either run lacks it (older vLLM, SGLang): the same concept on both sides."""
+    ha, hb = a.hist(concept), b.hist(concept)
+    if concept == "tpot" and (ha is None or hb is None):
+        ha, hb = a.hist("itl"), b.hist("itl")
+    return ha, hb
 
 
 def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun | str | Path, *,
@@ -165,6 +178,7 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     # queue/prefill split moves with its scheduling order while the client sees nothing change), the
     # server's histograms when that is all there is (an import of /metrics texts).
     client = {n for n, *_ in LATENCY} | {THROUGHPUT}
+    client |= {k for k, of in STAND_IN.items() if k in metrics and any(metrics[m].get("unreliable") for m in of)}
     decides = (lambda k: k in client) if len(a.ok) and len(b.ok) else (lambda k: True)
     for k, v in metrics.items():
         v["decides"] = decides(k)  # (the table says which metrics the headline is read from)
@@ -185,7 +199,9 @@ def compare_external(baseline: ExternalRun | str | Path, candidate: ExternalRun 
     elif verdict in DIRECTIONAL:
         verdict, findings, inconclusive = _machine_verdict(verdict, metrics, findings, env, cdiff, worse + better,
                                                            rule)
-    against = against_improvement({k: v for k, v in metrics.items() if decides(k)}, rule, higher_is_worse)
+    # a metric the client could not measure (``unreliable``) is no evidence against an improvement either
+    against = against_improvement({k: v for k, v in metrics.items() if decides(k) and not v.get("unreliable")}, rule,
+                                  higher_is_worse)
     if verdict == "improvement" and against:  # a trade-off (docs/diagnose.md §2): its cost leads
         verdict = "mixed"
         for name in against:
@@ -349,59 +365,6 @@ def latency_findings(name: str, m: str, metric: dict, ctx: dict, cdiff: list[dic
 def _causes(ctx: dict, cdiff: list[dict]) -> dict[str, Any]:
     """What moved the server's queue or KV (``server_rules.PAIR_RULES``, the table docs/diagnose.md §6 lists)."""
     return pair_causes(ctx, cdiff)
-
-
-def _var_bound(h: tuple[list[float], list[float], float, float], mean: float) -> float:
-    """The largest variance the bucket counts allow around ``mean``: every observation put at
-    the end of its bucket farthest from the mean (the +Inf bucket's end: the histogram's sum,
-    which no single non-negative observation exceeds)."""
-    bounds, cum, total, n = h
-    acc, prev_b, prev_c = 0.0, 0.0, 0.0
-    for b, c in zip(bounds, cum):
-        k = c - prev_c
-        if k > 0:
-            hi = total if math.isinf(b) else b
-            acc += k * max((prev_b - mean) ** 2, (hi - mean) ** 2)
-        prev_b, prev_c = (prev_b if math.isinf(b) else b), c
-    return acc / n if n > 0 else math.inf
-
-
-def _bd_bound(h: tuple[list[float], list[float], float, float], mean: float) -> float:
-    """Bhatia-Davis: a variable in [lo, hi] with mean mu has variance <= (hi - mu)(mu - lo);
-    lo, hi the ends of the lowest and highest non-empty buckets (+Inf: the sum)."""
-    bounds, cum, total, _ = h
-    lo = hi = None
-    prev_b, prev_c = 0.0, 0.0
-    for b, c in zip(bounds, cum):
-        if c - prev_c > 0:
-            lo = prev_b if lo is None else lo
-            hi = total if math.isinf(b) else b
-        prev_b, prev_c = (prev_b if math.isinf(b) else b), c
-    return max(0.0, (hi - mean) * (mean - lo)) if lo is not None else math.inf
-
-
-def compare_histograms(ha, hb, rule: Rule = EXTERNAL_RULE) -> dict:
-    """Compare the means of two histogram deltas (seconds per request) with the rule of
-    ``diagnose.stats`` (its floor from the SE and the run-to-run prior, and alpha). Only buckets are
-    known, so the test is a z-test with the largest variance the buckets allow (conservative:
-    a change it calls is there whatever the observations inside the buckets were)."""
-    ma = ha[2] / ha[3] if ha[3] > 0 else math.nan
-    mb = hb[2] / hb[3] if hb[3] > 0 else math.nan
-    out = {"baseline": ma, "candidate": mb, "n_baseline": int(ha[3]), "n_candidate": int(hb[3]), "paired": False}
-    if ha[3] < 5 or hb[3] < 5 or not ma > 0:
-        return {**out, "delta_pct": 100 * (mb / ma - 1) if ma > 0 else math.nan, "ci_pct": None, "p_value": None,
-                "significant": False, "worse": False}
-    se = math.sqrt(min(_var_bound(ha, ma), _bd_bound(ha, ma)) / ha[3] + min(_var_bound(hb, mb), _bd_bound(hb, mb)) / hb[3])
-    delta = mb - ma
-    z = abs(delta) / se if se > 0 else math.inf
-    p = math.erfc(z / math.sqrt(2))
-    half = 1.959964 * se
-    lo, hi = (delta - half) / ma, (delta + half) / ma
-    # the floor of diagnose.stats: the relative SE of the buckets' bound and a run-to-run prior
-    sens = sensitivity(se / ma, rule.pair_run_se(None, "p50"), rule)
-    sig = beyond_floor(delta / ma, sens["floor_pct"]) and p < rule.alpha
-    return {**out, "delta_pct": 100 * delta / ma, "ci_pct": [100 * lo, 100 * hi], "p_value": None, "z_p_value": p,
-            "significant": bool(sig), "worse": bool(sig and delta > 0), **sens}
 
 
 def server_finding(name: str, concept: str, layer: str, metric: dict, causes: dict, cdiff: list[dict]) -> dict:

@@ -138,17 +138,19 @@ def test_a_kv_pool_trade_off_is_mixed():
 
 def test_a_cap_in_the_vllm_dialect_never_contradicts_its_table():
     """Recorded for issue 36 (tests/data/external/README.md, layerscope-dialect-cap): our server in vLLM's
-    dialect, max_num_seqs 64 -> 2 under a burst of 48. Adding the cap costs tokens/s (-37 %, called), put
-    on engine.queue by the server's queue histogram; TTFT (+100 %) is under one external pair's floor and
-    TPOT is not measurable (tokens arrive together), so the pair is not ``mixed``: the trade-off is not
-    visible to one pair here. Removing the cap: TTFT -50 % and tokens/s +59 %, neither beyond the family's
-    level under Holm: no change. Neither way contradicts its table."""
+    dialect, max_num_seqs 64 -> 2 under a burst of 48 with 16-token outputs. The client's token gaps are
+    bunched (35 % under 0.1 ms), so the server's TPOT histogram stands in for the client's TPOT
+    (external.analysis.STAND_IN): adding the cap is ``mixed`` (tokens/s -37 % worse, server TPOT -87 %
+    better), the cost put on engine.queue by the server's queue histogram; removing it, the server's TPOT
+    (+646 %) is worse and nothing better is called: TTFT (+100 % / -50 %) is under one external pair's floor
+    on a pair this small (the longer pair of tests/external/test_tradeoff_pairs.py calls it). Neither way
+    contradicts its table."""
     from layerscope.diagnose.external.analysis import compare_external
 
     cap = DATA / "external" / "layerscope-dialect-cap"
     added = compare_external(cap / "default", cap / "seqs2")
-    assert added["verdict"] == "regression" and added["primary"]["layer"] == "engine.queue", added["primary"]
+    assert added["verdict"] == "mixed" and added["primary"]["layer"] == "engine.queue", added["primary"]
     assert added["metrics"]["output_tokens_per_s"]["significant"] and contradicts(added) is None
-    assert added["metrics"]["tpot_p50_s"].get("unreliable")
+    assert added["metrics"]["tpot_p50_s"].get("unreliable") and added["metrics"]["server_tpot_mean_s"]["decides"]
     removed = compare_external(cap / "seqs2", cap / "default")
-    assert removed["verdict"] in ("no_change", "improvement", "mixed") and contradicts(removed) is None
+    assert removed["verdict"] in ("regression", "mixed") and contradicts(removed) is None
