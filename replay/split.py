@@ -63,11 +63,15 @@ def differing(a: Inputs, b: Inputs) -> list[str]:
     return out
 
 
-def _value(args: tuple) -> dict[str, float]:
+_MEMO: dict = {}  # a split worker's block-hash memo (its process ends with the split)
+
+
+def _value(args: tuple, memo: dict | None = None) -> dict[str, float]:
     wl, s, kv, front, cost, seeds = args
+    memo = _MEMO if memo is None else memo  # every coalition replays one of two workloads: hash each block once
     vals: dict[str, list[float]] = {}
     for seed in seeds:
-        fig = replay(wl, s, kv, front, cost, seed=seed).figures
+        fig = replay(wl, s, kv, front, cost, seed=seed, hash_memo=memo).figures
         for m, p in METRICS:
             vals.setdefault(f"{m}:{p}", []).append(fig[m][p])
     return {k: float(np.nanmean(v)) for k, v in vals.items()}
@@ -95,7 +99,8 @@ def shapley(a: Inputs, b: Inputs, seeds: tuple[int, ...] = (0,), workers: int | 
         with ProcessPoolExecutor(workers) as pool:
             values = list(pool.map(_value, jobs, chunksize=max(1, len(jobs) // (workers * 2))))
     else:
-        values = [_value(j) for j in jobs]
+        memo: dict = {}
+        values = [_value(j, memo) for j in jobs]
     v = dict(zip(subsets, values))
     n = len(players)
     split: dict[str, dict[str, Any]] = {}
