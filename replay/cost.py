@@ -21,6 +21,7 @@ import pandas as pd
 
 FEATURES = ("1", "has_prefill", "prefill_tokens", "decode_seqs", "context_ktokens")
 _GAP_CAP_S = 1.0  # a longer gap after a busy step is not the loop's (a suspended process)
+_MIN_WAIT_STEPS = 10  # fewer steps with a measured wait: no wait timeline (default probes measure ~1 in 10)
 
 
 def _z() -> np.ndarray:
@@ -37,6 +38,10 @@ class CostModel:
     gap_prefill: np.ndarray = field(default_factory=_z, compare=False, repr=False)
     t_decode: np.ndarray = field(default_factory=_z, compare=False, repr=False)  # s from the run's first arrival
     t_prefill: np.ndarray = field(default_factory=_z, compare=False, repr=False)
+    # the step loop's run-queue wait (s) on the steps that measured it, with their times (empty: not
+    # measured; the fit then is on wall time, wait included); a split swaps it as its own component
+    wait: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False, repr=False)
+    t_wait: np.ndarray = field(default_factory=lambda: np.zeros(0), compare=False, repr=False)
     num_steps: int = 0
     r2: float = float("nan")
     resid_p50: float = float("nan")  # |measured / fitted - 1|, median and p90 over the steps
@@ -54,6 +59,10 @@ class CostModel:
         """This model's compute with ``other``'s collective cost."""
         return dataclasses.replace(self, collective=other.collective)
 
+    def with_wait(self, other: "CostModel") -> "CostModel":
+        """This model's work with ``other``'s CPU wait timeline."""
+        return dataclasses.replace(self, wait=other.wait, t_wait=other.t_wait)
+
     def describe(self) -> list[str]:
         a, e, b, c, d = self.coef
         lines = [f"step cost fitted on {self.num_steps} steps: {a * 1e3:.3f} ms (+{e * 1e3:.3f} ms with a prefill) + "
@@ -61,6 +70,10 @@ class CostModel:
                  f"; loop gap between busy steps median {np.median(self.gap_decode) * 1e3:.3f} ms",
                  f"  fit: R^2 {self.r2:.2f}; |measured/fitted - 1| p50 {self.resid_p50:.0%}, p90 {self.resid_p90:.0%}"
                  " (a replay adds to each step a residual and a gap drawn from the run's own, seeded)"]
+        if len(self.wait):
+            lines.append(f"  fitted on wall - run-queue wait; the step loop's wait for a CPU, measured on {len(self.wait)}"
+                         f" steps: mean {self.wait.mean() * 1e3:.3f} ms, p90 {np.percentile(self.wait, 90) * 1e3:.3f} ms"
+                         " (drawn by time, apart from the work)")
         if any(self.collective):
             lines.append(f"  collectives: {self.collective[0] * 1e3:.3f} ms + {self.collective[1] * 1e6:.2f} us/token")
         return lines
@@ -96,6 +109,26 @@ def _gaps(steps: pd.DataFrame) -> np.ndarray:
     gap = np.where(same, (nxt - end) / 1e9, np.nan)
     busy = (steps["num_running"].to_numpy(float) + steps["num_waiting"].to_numpy(float)) > 0
     return np.where(busy & (gap >= 0) & (gap < _GAP_CAP_S), gap, np.nan)
+
+
+def _wait(steps: pd.DataFrame, t_rel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The run-queue wait (s) of the steps that measured it (their times, their waits: steps in time
+    order) and per step the wait to take out of its wall time: its own where measured, else the mean
+    of the 5 measured steps nearest in time (what a replay step there draws on average). Fewer than
+    ``_MIN_WAIT_STEPS`` measured: nothing (the fit stays on wall time)."""
+    none = (np.zeros(0), np.zeros(0), np.zeros(len(steps)))
+    if "wait_ns" not in steps:
+        return none
+    w = steps["wait_ns"].to_numpy(float) / 1e9
+    ok = np.isfinite(w)
+    if ok.sum() < _MIN_WAIT_STEPS:
+        return none
+    tw, ww = t_rel[ok], w[ok]
+    k = np.searchsorted(tw, t_rel)
+    lo, hi = np.clip(k - 2, 0, len(ww)), np.clip(k + 3, 0, len(ww))
+    lo = np.minimum(lo, hi - 1)
+    cs = np.r_[0.0, np.cumsum(ww)]
+    return tw, ww, np.where(ok, w, (cs[hi] - cs[lo]) / (hi - lo))
 
 
 def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -136,7 +169,9 @@ def fit_cost(steps: pd.DataFrame, origin_ns: float | None = None, cached: dict[s
     dec = steps["num_decode_seqs"].to_numpy(float)
     has_pf = pf > 0
     X = np.column_stack([np.ones(len(steps)), has_pf.astype(float), pf, dec, context_tokens(steps, cached) / 1e3])
-    y = wall - coll
+    # work apart from waiting: a step's time waiting for a CPU is the machine's, not the step's cost
+    t_wait, wait, wait_est = _wait(steps, t_rel)
+    y = wall - coll - wait_est
     # the stalls (a step 5 MADs above its kind's median: another process had the CPU) are left out of
     # the fit; they stay in the residuals a replay draws
     inl = np.ones(len(y), bool)
@@ -160,6 +195,6 @@ def fit_cost(steps: pd.DataFrame, origin_ns: float | None = None, cached: dict[s
                      resid_prefill=resid[has_pf] if has_pf.any() else resid,
                      gap_decode=_pool(gap[~has_pf], gap), gap_prefill=_pool(gap[has_pf], gap),
                      t_decode=t_rel[~has_pf] if (~has_pf).any() else t_rel,
-                     t_prefill=t_rel[has_pf] if has_pf.any() else t_rel,
+                     t_prefill=t_rel[has_pf] if has_pf.any() else t_rel, wait=wait, t_wait=t_wait,
                      num_steps=len(steps), r2=r2, resid_p50=float(np.median(rel)),
                      resid_p90=float(np.percentile(rel, 90)))

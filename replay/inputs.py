@@ -210,7 +210,7 @@ def load_inputs(path: str, bundle: Bundle | None = None) -> Inputs:
     replicas = len((m.get("summary") or {}).get("replicas") or []) or int(wl.replica.max()) + 1
     settings, kv = _settings(m, replicas)
     steps = b.df("steps", columns=["step_id", "replica", "start_ns", "end_ns", "step_s", "num_prefill_tokens",
-                                   "num_decode_seqs", "num_running", "num_waiting", "collective_s",
+                                   "num_decode_seqs", "num_running", "num_waiting", "collective_s", "wait_ns",
                                    "request_ids", "request_num_tokens", "num_prefix_hits", "num_prefix_queries"])
     cached = dict(zip(r["request_id"], np.nan_to_num(r["num_cached_tokens"].to_numpy(float)).astype(int)))
     cost = fit_cost(steps, origin_ns=float(arr[0]), cached=cached)

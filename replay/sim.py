@@ -84,8 +84,9 @@ class Result:
 
 class _Draws:
     """Per step, the residual and loop gap of a run's step of the same kind near the same time (one of
-    the 5 nearest, seeded); past the run's end, its timeline wraps around. ``noise`` off: the fitted
-    cost alone and the median gap."""
+    the 5 nearest, seeded), and the CPU wait of a measured step near that time (its own stream: a split
+    swaps it apart from the work); past the run's end, its timeline wraps around. ``noise`` off: the
+    fitted cost alone, the median gap and the mean wait."""
 
     def __init__(self, cost: CostModel, seed: int, noise: bool):
         self.rng = np.random.default_rng(seed)
@@ -95,11 +96,15 @@ class _Draws:
                       (cost.t_prefill.tolist(), cost.resid_prefill.tolist(), cost.gap_prefill.tolist())]
         self.median_gap = [float(np.median(cost.gap_decode)), float(np.median(cost.gap_prefill))]
         self.jitter, self.j = self.rng.integers(-2, 3, size=4096).tolist(), 0
+        self.wait = (cost.t_wait.tolist(), cost.wait.tolist()) if len(cost.wait) else None
+        self.mean_wait = float(cost.wait.mean()) if len(cost.wait) else 0.0
+        self.wrng = np.random.default_rng([seed, 2])
+        self.wjitter, self.wj = self.wrng.integers(-2, 3, size=4096).tolist(), 0
 
     def step(self, cost: CostModel, t: float, pf: int, dec: int, ctx: int) -> tuple[float, float]:
         k = 1 if pf else 0  # a prefill step's stalls and gaps are not a decode step's
         if not self.noise:
-            return cost.predict(pf, dec, ctx), self.median_gap[k]
+            return cost.predict(pf, dec, ctx) + self.mean_wait, self.median_gap[k]
         times, resid, gap = self.kinds[k]
         span = times[-1] + 1e-3
         i = bisect_left(times, t % span if t > span else t)
@@ -107,7 +112,18 @@ class _Draws:
             self.jitter, self.j = self.rng.integers(-2, 3, size=4096).tolist(), 0
         i = min(max(i + self.jitter[self.j], 0), len(times) - 1)
         self.j += 1
-        return cost.predict(pf, dec, ctx, resid[i]), gap[i]
+        dt = cost.predict(pf, dec, ctx, resid[i])
+        return (dt + self._wait(t) if self.wait else dt), gap[i]
+
+    def _wait(self, t: float) -> float:
+        times, wait = self.wait
+        span = times[-1] + 1e-3
+        i = bisect_left(times, t % span if t > span else t)
+        if self.wj == 4096:
+            self.wjitter, self.wj = self.wrng.integers(-2, 3, size=4096).tolist(), 0
+        i = min(max(i + self.wjitter[self.wj], 0), len(times) - 1)
+        self.wj += 1
+        return wait[i]
 
 
 class _Engine:

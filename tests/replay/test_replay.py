@@ -103,9 +103,12 @@ def test_shapley_is_exact_and_residual_is_the_rest(bundles):
     (dict(step_overhead_s=0.004), "step_cost", "tpot_s:p50"),
     (dict(arrival_rate_per_s=160.0, seed=0), "workload", "ttft_s:p90"),
     (dict(gateway_delay_s=0.05), "front", "ttft_s:p50"),
+    # the same code on a busier machine: its steps wait for a CPU (wait_ns), their work is unchanged
+    (dict(work_columns=True, machine_slowdown=1.5), "cpu_wait", "tpot_s:p50"),
 ])
 def test_split_assigns_the_change_to_the_component_that_changed(bundles, change, component, metric):
     base = dict(arrival_rate_per_s=100.0) if component == "workload" else {}
+    base = dict(work_columns=True) if component == "cpu_wait" else base
     a = load_inputs(bundles(**base))
     b = load_inputs(bundles(**{**base, **change}) if component != "workload" else bundles(**change))
     cf = shapley(a, b, seeds=(0,), workers=1)
