@@ -84,9 +84,9 @@ class Result:
 
 class _Draws:
     """Per step, the residual and loop gap of a run's step of the same kind near the same time (one of
-    the 5 nearest, seeded), and the CPU wait of a measured step near that time (its own stream: a split
-    swaps it apart from the work); past the run's end, its timeline wraps around. ``noise`` off: the
-    fitted cost alone, the median gap and the mean wait."""
+    the 5 nearest, seeded), plus the expected CPU wait of its kind at that time (``CostModel.wait_at``:
+    a split swaps it apart from the work); past the run's end, its timeline wraps around. ``noise``
+    off: the fitted cost alone, the median gap and the mean wait."""
 
     def __init__(self, cost: CostModel, seed: int, noise: bool):
         self.rng = np.random.default_rng(seed)
@@ -96,15 +96,13 @@ class _Draws:
                       (cost.t_prefill.tolist(), cost.resid_prefill.tolist(), cost.gap_prefill.tolist())]
         self.median_gap = [float(np.median(cost.gap_decode)), float(np.median(cost.gap_prefill))]
         self.jitter, self.j = self.rng.integers(-2, 3, size=4096).tolist(), 0
-        self.wait = (cost.t_wait.tolist(), cost.wait.tolist()) if len(cost.wait) else None
-        self.mean_wait = float(cost.wait.mean()) if len(cost.wait) else 0.0
-        self.wrng = np.random.default_rng([seed, 2])
-        self.wjitter, self.wj = self.wrng.integers(-2, 3, size=4096).tolist(), 0
+        self.waits = [_WaitCurve(cost, False), _WaitCurve(cost, True)]
+        self.mean_wait = [float(w.mean()) if len(w) else 0.0 for w in (cost.wait_decode, cost.wait_prefill)]
 
     def step(self, cost: CostModel, t: float, pf: int, dec: int, ctx: int) -> tuple[float, float]:
         k = 1 if pf else 0  # a prefill step's stalls and gaps are not a decode step's
         if not self.noise:
-            return cost.predict(pf, dec, ctx) + self.mean_wait, self.median_gap[k]
+            return cost.predict(pf, dec, ctx) + self.mean_wait[k], self.median_gap[k]
         times, resid, gap = self.kinds[k]
         span = times[-1] + 1e-3
         i = bisect_left(times, t % span if t > span else t)
@@ -112,18 +110,27 @@ class _Draws:
             self.jitter, self.j = self.rng.integers(-2, 3, size=4096).tolist(), 0
         i = min(max(i + self.jitter[self.j], 0), len(times) - 1)
         self.j += 1
-        dt = cost.predict(pf, dec, ctx, resid[i])
-        return (dt + self._wait(t) if self.wait else dt), gap[i]
+        # the wait joins the residual before predict's floor: with the run's own wait the step's time
+        # is its measured wall time again (a floor on the work alone would lift steps that waited less)
+        w = self.waits[k].at(t) if self.waits[k].on else 0.0
+        return cost.predict(pf, dec, ctx, resid[i] + w), gap[i]
 
-    def _wait(self, t: float) -> float:
-        times, wait = self.wait
-        span = times[-1] + 1e-3
-        i = bisect_left(times, t % span if t > span else t)
-        if self.wj == 4096:
-            self.wjitter, self.wj = self.wrng.integers(-2, 3, size=4096).tolist(), 0
-        i = min(max(i + self.wjitter[self.wj], 0), len(times) - 1)
-        self.wj += 1
-        return wait[i]
+
+class _WaitCurve:
+    """``CostModel.wait_at`` for one kind, per step in Python (numpy per scalar costs ~10x)."""
+
+    def __init__(self, cost: CostModel, prefill: bool):
+        tw, w = (cost.t_wait_prefill, cost.wait_prefill) if prefill else (cost.t_wait_decode, cost.wait_decode)
+        self.on = bool(len(w))
+        self.times, self.n = tw.tolist(), len(w)
+        self.cs = np.r_[0.0, np.cumsum(w)].tolist()
+        self.span = float(tw[-1]) + 1e-3 if self.on else 0.0
+
+    def at(self, t: float) -> float:
+        k = bisect_left(self.times, t % self.span if t > self.span else t)
+        lo, hi = min(max(k - 2, 0), self.n - 1), min(max(k + 3, 1), self.n)
+        lo = min(lo, hi - 1)
+        return (self.cs[hi] - self.cs[lo]) / (hi - lo)
 
 
 class _Engine:

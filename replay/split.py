@@ -59,7 +59,7 @@ def differing(a: Inputs, b: Inputs) -> list[str]:
     if a.num_kv_blocks != b.num_kv_blocks:
         out.append("kv_capacity")
     out.append("step_cost")
-    if a.cost.wait.any() or b.cost.wait.any():  # measured (schema 3 steps): the machine's wait apart from the work
+    if a.cost.mean_wait() or b.cost.mean_wait():  # measured (schema 3 steps): the machine's wait apart from the work
         out.append("cpu_wait")
     if a.tp_size > 1 or b.tp_size > 1:
         out.append("collective")
@@ -157,7 +157,7 @@ def describe_changes(a: Inputs, b: Inputs, players: list[str]) -> dict[str, str]
     pa_, pb = a.cost.predict(0, 1, 0), b.cost.predict(0, 1, 0)
     out["step_cost"] = f"one-sequence decode step {pa_ * 1e3:.2f} -> {pb * 1e3:.2f} ms (fitted means)"
     if "cpu_wait" in players:
-        wa, wb = (float(x.cost.wait.mean()) if len(x.cost.wait) else 0.0 for x in (a, b))
+        wa, wb = a.cost.mean_wait(), b.cost.mean_wait()
         out["cpu_wait"] = f"step loop's wait for a CPU {wa * 1e3:.3f} -> {wb * 1e3:.3f} ms a step (means)"
     (a1, a2, a3), (b1, b2, b3) = a.front.medians(), b.front.medians()
     out["front"] = (f"admission {a1 * 1e3:.1f} -> {b1 * 1e3:.1f} ms, hand-off {a2 * 1e3:.1f} -> {b2 * 1e3:.1f} ms, "

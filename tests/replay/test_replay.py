@@ -47,6 +47,26 @@ def test_cost_fit_recovers_a_known_linear_cost():
     assert np.median(c.gap_decode) == pytest.approx(0.0002, rel=1e-3)
 
 
+def test_cost_fit_takes_the_machines_wait_out_and_a_replay_puts_it_back():
+    # a busy spell in the second half: every step there waits 2 ms for a CPU; 1 step in 5 measured it
+    steps = _steps(400, np.random.default_rng(0))
+    busy = np.arange(400) >= 200
+    work_ns = steps["end_ns"] - steps["start_ns"]
+    steps["start_ns"] = steps["start_ns"] + np.cumsum(np.r_[0, busy[:-1] * 2e6])
+    steps["end_ns"] = steps["start_ns"] + work_ns + busy * 2e6
+    steps["wait_ns"] = np.where(np.arange(400) % 5 == 0, busy * 2e6, np.nan)
+    c = fit_cost(steps)
+    a, e, b, d, _ = c.coef
+    assert a == pytest.approx(0.001, rel=1e-3) and d == pytest.approx(1e-4, rel=1e-3)  # the work, not the wait
+    t = steps["start_ns"].to_numpy(float) / 1e9
+    assert c.wait_at(t[50], False) == 0 and c.wait_at(t[300], False) == pytest.approx(0.002)
+    assert c.mean_wait() == pytest.approx(0.001, rel=0.1)
+    quiet = fit_cost(steps.assign(wait_ns=np.where(np.arange(400) % 5 == 0, 0.0, np.nan)))
+    wl = _workload(40, shared_blocks=0, gap_s=0.04)  # over both halves of the run's clock
+    own, swapped = (replay(wl, SETTINGS, 4096, Front(), x) for x in (c, c.with_wait(quiet)))
+    assert swapped.figures["tpot_s"]["p50"] < own.figures["tpot_s"]["p50"]  # the quiet machine's wait: faster
+
+
 def _workload(n: int, shared_blocks: int, prompt: int = 96, out: int = 8, gap_s: float = 0.001) -> Workload:
     hashes = [[1000 + j for j in range(shared_blocks)] + [10 ** 6 * (i + 1) + j for j in range(prompt // 16 -
                                                                                               shared_blocks)]
