@@ -79,7 +79,8 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     points_spec = scenarios(args.set, args.kv_blocks)
     inp = load_inputs(args.run)
     seeds = tuple(range(max(args.seeds, 1)))
-    points = [predict(inp, ch, rate, seeds) for ch in points_spec]
+    shared: dict = {}  # the as-is replay once for every point of a sweep
+    points = [predict(inp, ch, rate, seeds, shared) for ch in points_spec]
     rc = 0
     if args.verify:
         base = Path(args.verify_out or f"{args.run.rstrip('/')}-whatif")

@@ -142,7 +142,9 @@ def test_whatif_same_config_predicts_the_run_and_a_sweep_orders(bundles):
     same = predict(inp, {"max_num_seqs": inp.settings.max_num_seqs}, seeds=(0,))
     for k, v in same["predicted"].items():
         assert v == pytest.approx(same["measured"][k], rel=1e-9)
-    pts = [predict(inp, ch, seeds=(0,)) for ch in scenarios(["max_num_seqs=2,8,64"], None)]
+    shared: dict = {}
+    pts = [predict(inp, ch, seeds=(0,), shared=shared) for ch in scenarios(["max_num_seqs=2,8,64"], None)]
+    assert pts[2]["replayed"] == predict(inp, {"max_num_seqs": 64}, seeds=(0,))["replayed"]  # shared as-is replay
     ttft = [p["predicted"]["ttft_s:p50"] for p in pts]
     assert ttft[0] > ttft[1] > ttft[2] * 0.999
     with pytest.raises(ValueError, match="max_num_seqs"):
