@@ -1,7 +1,8 @@
 """The replay's results pinned: figures and splits of recorded pairs (tests/data, schema 2: no prompt
-hashes, no CPU columns) as the replay gave them before its inner loop was made faster
-(tests/data/replay_pinned.json, written by the code of commit 1832dc8). A speed-up must leave every
-figure where it was; a change of the replay's model must regenerate the file and say why."""
+hashes, no CPU columns; tests/data/replay_pinned.json). A speed-up must leave every figure where it
+was; a change of the replay's model must regenerate the file and say why. History: written by the
+code of commit 1832dc8, and the speed-up left it unchanged; regenerated when the gateway/output path's
+samples stopped being filtered to the requests handed to an idle replica (replay/inputs.py ``_front``)."""
 
 from __future__ import annotations
 
