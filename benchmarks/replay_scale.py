@@ -2,10 +2,13 @@
 
 Two synthetic bundles (``layerscope.testing.synth``: same workload, the candidate with a smaller
 max_num_seqs and a per-step overhead) are loaded, replayed once, and split (every subset of the
-differing components replayed, 2 worker processes). CPU seconds include the workers'; on a shared
-machine the wall time depends on the load, so both are printed with the load average.
+differing components replayed, 2 worker processes). Their steps carry the step loop's CPU and wait
+columns as a run recorded since schema 3 does, so the split has four players (config, step cost,
+CPU wait, gateway/output path: 16 replays); ``--no-work-columns``: a bundle without them (three
+players, 8 replays). CPU seconds include the workers'; on a shared machine the wall time depends on
+the load, so both are printed with the load average.
 
-    python benchmarks/replay_scale.py --out /tmp/replay-scale [--requests 10000]
+    python benchmarks/replay_scale.py --out /tmp/replay-scale [--requests 10000] [--no-work-columns]
 """
 
 from __future__ import annotations
@@ -27,16 +30,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", type=int, default=10000)
+    ap.add_argument("--no-work-columns", dest="work", action="store_false")
     args = ap.parse_args()
     from layerscope.testing.synth import SynthSpec, generate
 
-    root = Path(args.out)
-    a, b = root / f"a-{args.requests}", root / f"b-{args.requests}"
+    root, tag = Path(args.out), "w" if args.work else "nw"
+    a, b = root / f"a-{args.requests}-{tag}", root / f"b-{args.requests}-{tag}"
     if not (a / "manifest.json").is_file():
-        generate(SynthSpec(num_requests=args.requests, arrival_rate_per_s=80.0), a)
+        generate(SynthSpec(num_requests=args.requests, arrival_rate_per_s=80.0, work_columns=args.work), a)
     if not (b / "manifest.json").is_file():
         generate(SynthSpec(num_requests=args.requests, arrival_rate_per_s=80.0, max_num_seqs=16,
-                           step_overhead_s=0.001), b)
+                           step_overhead_s=0.001, work_columns=args.work), b)
     from layerscope.replay.inputs import load_inputs
     from layerscope.replay.sim import replay
     from layerscope.replay.split import shapley

@@ -32,6 +32,9 @@ def hash_block(parent_hash: Hashable | None, token_ids: Sequence[int]) -> Hashab
     return h.digest()
 
 
+HASH_MEMO_MAX = 1 << 18  # a hash memo stops growing here (~110 MB: a 16-token key and its digest ~430 B)
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids")
 
@@ -47,7 +50,8 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_memo: dict | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -56,6 +60,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[Hashable, int] = {}
+        # (parent hash, tokens) -> hash_block's digest, for a caller that hashes the same prompts again
+        # and again (a replay's split replays one workload per coalition); hash_block is pure, so a
+        # memo changes only the time. None: hash every block
+        self.hash_memo = hash_memo
         # prefix-cache statistics, in tokens (vLLM counts queries and hits in tokens)
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
@@ -90,7 +98,7 @@ class BlockManager:
         parent: Hashable | None = None
         for i in range(max_blocks):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash_block(parent, chunk)
+            h = self._hash(parent, chunk)
             block_id = self.hash_to_block.get(h)
             if block_id is None or block_id in hits:
                 break
@@ -100,6 +108,17 @@ class BlockManager:
             hits.append(block_id)
             parent = h
         return hits, len(hits) * bs
+
+    def _hash(self, parent: Hashable | None, chunk: tuple[int, ...]) -> Hashable:
+        memo = self.hash_memo
+        if memo is None:
+            return hash_block(parent, chunk)
+        h = memo.get((parent, chunk))
+        if h is None:
+            h = hash_block(parent, chunk)
+            if len(memo) < HASH_MEMO_MAX:
+                memo[(parent, chunk)] = h
+        return h
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         if self.enable_prefix_caching:
@@ -112,10 +131,12 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = min(num_computed_tokens // bs, len(request.block_ids))
+        if num_full <= len(request.block_hashes):  # no block filled this step (most decode steps)
+            return
         for i in range(len(request.block_hashes), num_full):
             parent = request.block_hashes[i - 1] if i else None
             chunk = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
-            h = hash_block(parent, chunk)
+            h = self._hash(parent, chunk)
             request.block_hashes.append(h)
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is None and h not in self.hash_to_block:
@@ -134,6 +155,16 @@ class BlockManager:
         Returns the newly allocated block ids, or None when the pool cannot fit them
         (nothing is changed then).
         """
+        if not new_computed_blocks:  # every step of a running request: the replay's hot path (~4x cheaper)
+            num_new_blocks = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(
+                request.block_ids)
+            if num_new_blocks <= 0:
+                return []
+            if num_new_blocks > len(self.free_block_queue):
+                return None
+            new_ids = [self._take_free_block() for _ in range(num_new_blocks)]
+            request.block_ids.extend(new_ids)
+            return new_ids
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = self.num_blocks_for(num_computed + num_new_tokens)
         num_new_blocks = num_required - len(request.block_ids) - len(new_computed_blocks)

@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.value.startswith("finished")
+        return self._value_.startswith("finished")  # not .value: enum's property descriptor costs ~4x
 
 
 class RequestEventType(enum.Enum):

@@ -160,17 +160,22 @@ class Scheduler:
         preempted: list[Request] = []
         scheduled_running: list[Request] = []
 
+        # this loop runs once per running request per step (the replay's hot path: ~10^6 a split),
+        # hence the local names and len() over the num_tokens property
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             while bm.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not RequestStatus.RUNNING:
                 break
             num_scheduled[req.request_id] = num_new
             scheduled_running.append(req)
@@ -250,15 +255,19 @@ class Scheduler:
         Returns the requests that got a new token this step (finished ones included).
         """
         updated: list[Request] = []
+        requests, bm, sampled, running = self.requests, self.block_manager, runner_out.sampled_token_ids, \
+            RequestStatus.RUNNING  # locals: once per scheduled request per step
+        bs = bm.block_size
         for sched in out.scheduled:
-            req = self.requests.get(sched.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = requests.get(sched.request_id)
+            if req is None or req.status is not running:
                 continue  # aborted while the step ran
             req.num_computed_tokens += sched.num_new_tokens
-            self.block_manager.cache_blocks(req, req.num_computed_tokens)
+            if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs:  # else no block filled: nothing to hash
+                bm.cache_blocks(req, req.num_computed_tokens)
             if not sched.do_sample:
                 continue
-            token = runner_out.sampled_token_ids[sched.request_id]
+            token = sampled[sched.request_id]
             req.append_output_token(token)
             if req.first_token_ns is None:
                 req.first_token_ns = time.monotonic_ns()
@@ -271,15 +280,16 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+        num_out = len(req.output_token_ids)
+        if num_out >= sp.min_tokens:
             if not sp.ignore_eos and token == req.eos_token_id:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+        if sp.max_tokens is not None and num_out >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
+        if len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

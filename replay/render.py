@@ -9,7 +9,7 @@ import numpy as np
 from layerscope.replay.inputs import Inputs
 from layerscope.replay.metrics import LATENCIES, TOLERANCE, rel_err
 
-NAMES = {"workload": "workload", "config": "config", "kv_capacity": "KV capacity", "step_cost": "step cost",
+NAMES = {"workload": "workload", "config": "config", "kv_capacity": "KV capacity", "step_cost": "step cost", "cpu_wait": "CPU wait",
          "collective": "collective cost", "front": "gateway/output path"}
 
 

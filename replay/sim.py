@@ -20,33 +20,42 @@ from typing import Any
 import numpy as np
 
 from layerscope.engine.block_manager import BlockManager
-from layerscope.engine.request import Request
+from layerscope.engine.request import Request, RequestStatus
 from layerscope.engine.sampling_params import SamplingParams
 from layerscope.engine.scheduler import ModelRunnerOutput, Scheduler
 from layerscope.replay.cost import CostModel
 from layerscope.replay.inputs import HASH_TOKENS, Front, Settings, Workload
 from layerscope.replay.metrics import figures
 
+RUNNING = RequestStatus.RUNNING
 _GW_ARRIVE, _ENGINE_ARRIVE, _STEP_START, _STEP_END = 0, 1, 2, 3  # same-time order: arrivals before a step
 
 
 class _Sched:
     """What update_from_output reads of a scheduled request (the runner's inputs are not built)."""
 
-    __slots__ = ("request_id", "num_new_tokens", "start_pos", "do_sample", "is_prefill")
+    __slots__ = ("request_id", "num_new_tokens", "do_sample")
 
-    def __init__(self, rid: str, n: int, start: int, total: int):
-        self.request_id, self.num_new_tokens, self.start_pos = rid, n, start
-        self.do_sample = start + n == total
-        self.is_prefill = start < total - 1
+    def __init__(self, rid: str, n: int, do_sample: bool):
+        self.request_id, self.num_new_tokens, self.do_sample = rid, n, do_sample
 
 
 class ReplayScheduler(Scheduler):
     """The engine's Scheduler, policy untouched; only the model runner's input description is
-    skipped (token slices and block tables a replay has no runner for)."""
+    skipped (token slices and block tables a replay has no runner for). It sums the step's cost
+    features as it goes (``features``: prefill tokens, decode sequences, context tokens; the caller
+    resets them): a second pass over the batch cost ~5 % of a replay."""
+
+    features = (0, 0, 0)
 
     def _describe(self, req: Request, num_new: int) -> _Sched:  # type: ignore[override]
-        return _Sched(req.request_id, num_new, req.num_computed_tokens, req.num_tokens)
+        start, total = req.num_computed_tokens, len(req.all_token_ids)
+        pf, dec, ctx = self.features
+        if start < total - 1:  # a prefill chunk (or a recompute after preemption)
+            self.features = (pf + num_new, dec, ctx + start + num_new)
+        else:
+            self.features = (pf, dec + 1, ctx + start + num_new)
+        return _Sched(req.request_id, num_new, start + num_new == total)
 
 
 def prompt_tokens(wl: Workload, i: int) -> list[int]:
@@ -75,8 +84,9 @@ class Result:
 
 class _Draws:
     """Per step, the residual and loop gap of a run's step of the same kind near the same time (one of
-    the 5 nearest, seeded); past the run's end, its timeline wraps around. ``noise`` off: the fitted
-    cost alone and the median gap."""
+    the 5 nearest, seeded), plus the expected CPU wait of its kind at that time (``CostModel.wait_at``:
+    a split swaps it apart from the work); past the run's end, its timeline wraps around. ``noise``
+    off: the fitted cost alone, the median gap and the mean wait."""
 
     def __init__(self, cost: CostModel, seed: int, noise: bool):
         self.rng = np.random.default_rng(seed)
@@ -86,11 +96,13 @@ class _Draws:
                       (cost.t_prefill.tolist(), cost.resid_prefill.tolist(), cost.gap_prefill.tolist())]
         self.median_gap = [float(np.median(cost.gap_decode)), float(np.median(cost.gap_prefill))]
         self.jitter, self.j = self.rng.integers(-2, 3, size=4096).tolist(), 0
+        self.waits = [_WaitCurve(cost, False), _WaitCurve(cost, True)]
+        self.mean_wait = [float(w.mean()) if len(w) else 0.0 for w in (cost.wait_decode, cost.wait_prefill)]
 
     def step(self, cost: CostModel, t: float, pf: int, dec: int, ctx: int) -> tuple[float, float]:
         k = 1 if pf else 0  # a prefill step's stalls and gaps are not a decode step's
         if not self.noise:
-            return cost.predict(pf, dec, ctx), self.median_gap[k]
+            return cost.predict(pf, dec, ctx) + self.mean_wait[k], self.median_gap[k]
         times, resid, gap = self.kinds[k]
         span = times[-1] + 1e-3
         i = bisect_left(times, t % span if t > span else t)
@@ -98,12 +110,32 @@ class _Draws:
             self.jitter, self.j = self.rng.integers(-2, 3, size=4096).tolist(), 0
         i = min(max(i + self.jitter[self.j], 0), len(times) - 1)
         self.j += 1
-        return cost.predict(pf, dec, ctx, resid[i]), gap[i]
+        # the wait joins the residual before predict's floor: with the run's own wait the step's time
+        # is its measured wall time again (a floor on the work alone would lift steps that waited less)
+        w = self.waits[k].at(t) if self.waits[k].on else 0.0
+        return cost.predict(pf, dec, ctx, resid[i] + w), gap[i]
+
+
+class _WaitCurve:
+    """``CostModel.wait_at`` for one kind, per step in Python (numpy per scalar costs ~10x)."""
+
+    def __init__(self, cost: CostModel, prefill: bool):
+        tw, w = (cost.t_wait_prefill, cost.wait_prefill) if prefill else (cost.t_wait_decode, cost.wait_decode)
+        self.on = bool(len(w))
+        self.times, self.n = tw.tolist(), len(w)
+        self.cs = np.r_[0.0, np.cumsum(w)].tolist()
+        self.span = float(tw[-1]) + 1e-3 if self.on else 0.0
+
+    def at(self, t: float) -> float:
+        k = bisect_left(self.times, t % self.span if t > self.span else t)
+        lo, hi = min(max(k - 2, 0), self.n - 1), min(max(k + 3, 1), self.n)
+        lo = min(lo, hi - 1)
+        return (self.cs[hi] - self.cs[lo]) / (hi - lo)
 
 
 class _Engine:
-    def __init__(self, s: Settings, num_kv_blocks: int):
-        self.bm = BlockManager(num_kv_blocks, s.block_size, s.enable_prefix_caching)
+    def __init__(self, s: Settings, num_kv_blocks: int, hash_memo: dict | None):
+        self.bm = BlockManager(num_kv_blocks, s.block_size, s.enable_prefix_caching, hash_memo)
         self.max_len = min(s.max_model_len, num_kv_blocks * s.block_size)
         self.sched = ReplayScheduler(self.bm, s.max_num_seqs, s.max_num_batched_tokens, self.max_len,
                                      s.enable_chunked_prefill)
@@ -111,10 +143,11 @@ class _Engine:
 
 
 def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: CostModel, seed: int = 0,
-           noise: bool = True) -> Result:
-    """Replay ``wl`` under ``s`` with ``cost``; per-request latencies and the run's figures."""
+           noise: bool = True, hash_memo: dict | None = None) -> Result:
+    """Replay ``wl`` under ``s`` with ``cost``; per-request latencies and the run's figures.
+    ``hash_memo``: the prefix cache's block hashes, kept across replays of the same prompts (a split)."""
     n = len(wl)
-    engines = [_Engine(s, num_kv_blocks) for _ in range(s.replicas)]
+    engines = [_Engine(s, num_kv_blocks, hash_memo) for _ in range(s.replicas)]
     draw = _Draws(cost, seed, noise)
     frng = np.random.default_rng([seed, 1])  # its own stream: the steps' draws stay common across scenarios
     adm_d, route, out_first, out_last = front.samples[frng.integers(0, len(front.samples), size=n)].T
@@ -125,6 +158,8 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
     e_arr = np.full(n, np.nan)
     fin = np.full(n, np.nan)
     idx = {f"r{i}": i for i in range(n)}
+    # one runner output for every step: the fixed token of any request that samples
+    runner_out = ModelRunnerOutput(sampled_token_ids=dict.fromkeys(idx, -1))
     active, waiters, rejected = 0, deque(), 0
     waiting_samples: list[int] = []
     push = heapq.heappush
@@ -160,21 +195,20 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
         elif kind == _STEP_START:
             e = x
             out = e.sched.schedule()
-            if out.is_empty:
+            feats, e.sched.features = e.sched.features, (0, 0, 0)
+            if not out.scheduled:
                 e.busy = False
                 continue
-            dt, gap = draw.step(cost, t, *_batch(out.scheduled))
+            dt, gap = draw.step(cost, t, *feats)
             seq += 1
             push(ev, (t + dt, _STEP_END, seq, (e, out, gap)))
         else:
             e, out, gap = x
-            sampled = {r.request_id: -1 for r in out.scheduled if r.do_sample}
-            for req in e.sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
-                i = idx[req.request_id]
-                if req.num_output_tokens == 1:
-                    first[i] = t
-                if req.is_finished:
-                    fin[i] = t
+            for req in e.sched.update_from_output(out, runner_out):
+                if len(req.output_token_ids) == 1:
+                    first[idx[req.request_id]] = t
+                if req.status is not RUNNING and req.is_finished:  # the first test spares most a property call
+                    fin[idx[req.request_id]] = t
                     e.sched.pop_finished(req.request_id)
                     active -= 1
                     while waiters and active < s.max_concurrency:
@@ -187,18 +221,6 @@ def replay(wl: Workload, s: Settings, num_kv_blocks: int, front: Front, cost: Co
                   rejected)
     res.engine_s = first - e_arr
     return res
-
-
-def _batch(scheduled: list[_Sched]) -> tuple[int, int, int]:
-    """A step's prefill tokens, decode sequences and context tokens (the cost model's features)."""
-    pf = dec = ctx = 0
-    for r in scheduled:
-        ctx += r.start_pos + r.num_new_tokens
-        if r.is_prefill:
-            pf += r.num_new_tokens
-        else:
-            dec += 1
-    return pf, dec, ctx
 
 
 def _request(wl: Workload, i: int) -> Request:

@@ -17,7 +17,7 @@ from layerscope.replay.inputs import UNKNOWN_LEN, Inputs
 from layerscope.replay.metrics import fidelity
 from layerscope.replay.sim import replay
 
-COMPONENTS = ("workload", "config", "kv_capacity", "step_cost", "collective", "front")
+COMPONENTS = ("workload", "config", "kv_capacity", "step_cost", "cpu_wait", "collective", "front")
 METRICS = (("ttft_s", "p50"), ("ttft_s", "p90"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p90"),
            ("tpot_s", "p99"), ("e2e_s", "p50"))
 # the layers (DESIGN.md's taxonomy) where each component's effect shows; a layer finding of diagnose
@@ -28,6 +28,7 @@ LAYERS = {
     "kv_capacity": {"engine.kv", "engine.queue"},
     "step_cost": {"model.forward", "engine.schedule", "kernel.compute", "kernel.launch_gap", "hardware",
                   "engine.output", "engine.queue"},
+    "cpu_wait": {"hardware", "engine.queue", "engine.schedule", "model.forward", "kernel.compute"},
     "collective": {"parallel.collective"},
     "front": {"gateway.queue", "gateway.route", "engine.output", "client"},
 }
@@ -40,6 +41,7 @@ def compose(a: Inputs, b: Inputs, take: frozenset[str]) -> tuple:
     kv = b.num_kv_blocks if "kv_capacity" in take else a.num_kv_blocks
     cost = b.cost if "step_cost" in take else a.cost
     cost = cost.with_collective(b.cost if "collective" in take else a.cost)
+    cost = cost.with_wait(b.cost if "cpu_wait" in take else a.cost)
     front = b.front if "front" in take else a.front
     return wl, s, kv, front, cost
 
@@ -57,17 +59,23 @@ def differing(a: Inputs, b: Inputs) -> list[str]:
     if a.num_kv_blocks != b.num_kv_blocks:
         out.append("kv_capacity")
     out.append("step_cost")
+    if a.cost.mean_wait() or b.cost.mean_wait():  # measured (schema 3 steps): the machine's wait apart from the work
+        out.append("cpu_wait")
     if a.tp_size > 1 or b.tp_size > 1:
         out.append("collective")
     out.append("front")
     return out
 
 
-def _value(args: tuple) -> dict[str, float]:
+_MEMO: dict = {}  # a split worker's block-hash memo (its process ends with the split)
+
+
+def _value(args: tuple, memo: dict | None = None) -> dict[str, float]:
     wl, s, kv, front, cost, seeds = args
+    memo = _MEMO if memo is None else memo  # every coalition replays one of two workloads: hash each block once
     vals: dict[str, list[float]] = {}
     for seed in seeds:
-        fig = replay(wl, s, kv, front, cost, seed=seed).figures
+        fig = replay(wl, s, kv, front, cost, seed=seed, hash_memo=memo).figures
         for m, p in METRICS:
             vals.setdefault(f"{m}:{p}", []).append(fig[m][p])
     return {k: float(np.nanmean(v)) for k, v in vals.items()}
@@ -95,7 +103,8 @@ def shapley(a: Inputs, b: Inputs, seeds: tuple[int, ...] = (0,), workers: int | 
         with ProcessPoolExecutor(workers) as pool:
             values = list(pool.map(_value, jobs, chunksize=max(1, len(jobs) // (workers * 2))))
     else:
-        values = [_value(j) for j in jobs]
+        memo: dict = {}
+        values = [_value(j, memo) for j in jobs]
     v = dict(zip(subsets, values))
     n = len(players)
     split: dict[str, dict[str, Any]] = {}
@@ -147,6 +156,9 @@ def describe_changes(a: Inputs, b: Inputs, players: list[str]) -> dict[str, str]
                            f"median {np.median(a.workload.prompt_len):.0f} -> {np.median(b.workload.prompt_len):.0f}")
     pa_, pb = a.cost.predict(0, 1, 0), b.cost.predict(0, 1, 0)
     out["step_cost"] = f"one-sequence decode step {pa_ * 1e3:.2f} -> {pb * 1e3:.2f} ms (fitted means)"
+    if "cpu_wait" in players:
+        wa, wb = a.cost.mean_wait(), b.cost.mean_wait()
+        out["cpu_wait"] = f"step loop's wait for a CPU {wa * 1e3:.3f} -> {wb * 1e3:.3f} ms a step (means)"
     (a1, a2, a3), (b1, b2, b3) = a.front.medians(), b.front.medians()
     out["front"] = (f"admission {a1 * 1e3:.1f} -> {b1 * 1e3:.1f} ms, hand-off {a2 * 1e3:.1f} -> {b2 * 1e3:.1f} ms, "
                     f"output {a3 * 1e3:.1f} -> {b3 * 1e3:.1f} ms (medians)")

@@ -72,13 +72,20 @@ def apply(inp: Inputs, change: dict[str, Any]) -> tuple:
     return s, kv
 
 
-def predict(inp: Inputs, change: dict[str, Any], rate: float = 1.0, seeds: tuple[int, ...] = (0, 1, 2)) -> dict:
-    """Replayed as-is and changed, with the calibrated prediction, for one scenario."""
+def predict(inp: Inputs, change: dict[str, Any], rate: float = 1.0, seeds: tuple[int, ...] = (0, 1, 2),
+            shared: dict | None = None) -> dict:
+    """Replayed as-is and changed, with the calibrated prediction, for one scenario. ``shared``: kept
+    by the caller across the scenarios of one run (a sweep): the as-is replay and the block hashes."""
     s, kv = apply(inp, change)
     wl = inp.workload.scaled(rate) if rate != 1.0 else inp.workload
-    base = mean_figures([replay(inp.workload, inp.settings, inp.num_kv_blocks, inp.front, inp.cost, seed=k).figures
-                       for k in seeds])
-    new = mean_figures([replay(wl, s, kv, inp.front, inp.cost, seed=k).figures for k in seeds])
+    shared = {} if shared is None else shared
+    memo = shared.setdefault("hash_memo", {})  # every replay here has the same prompts: their block hashes once
+    if shared.get("base_seeds") != seeds:
+        shared["base_seeds"] = seeds
+        shared["base"] = mean_figures([replay(inp.workload, inp.settings, inp.num_kv_blocks, inp.front, inp.cost,
+                                              seed=k, hash_memo=memo).figures for k in seeds])
+    base = shared["base"]
+    new = mean_figures([replay(wl, s, kv, inp.front, inp.cost, seed=k, hash_memo=memo).figures for k in seeds])
     pred = {}
     for m, p in REPORTED:
         meas, rb, rn = inp.measured[m][p], base[m][p], new[m][p]

@@ -47,6 +47,26 @@ def test_cost_fit_recovers_a_known_linear_cost():
     assert np.median(c.gap_decode) == pytest.approx(0.0002, rel=1e-3)
 
 
+def test_cost_fit_takes_the_machines_wait_out_and_a_replay_puts_it_back():
+    # a busy spell in the second half: every step there waits 2 ms for a CPU; 1 step in 5 measured it
+    steps = _steps(400, np.random.default_rng(0))
+    busy = np.arange(400) >= 200
+    work_ns = steps["end_ns"] - steps["start_ns"]
+    steps["start_ns"] = steps["start_ns"] + np.cumsum(np.r_[0, busy[:-1] * 2e6])
+    steps["end_ns"] = steps["start_ns"] + work_ns + busy * 2e6
+    steps["wait_ns"] = np.where(np.arange(400) % 5 == 0, busy * 2e6, np.nan)
+    c = fit_cost(steps)
+    a, e, b, d, _ = c.coef
+    assert a == pytest.approx(0.001, rel=1e-3) and d == pytest.approx(1e-4, rel=1e-3)  # the work, not the wait
+    t = steps["start_ns"].to_numpy(float) / 1e9
+    assert c.wait_at(t[50], False) == 0 and c.wait_at(t[300], False) == pytest.approx(0.002)
+    assert c.mean_wait() == pytest.approx(0.001, rel=0.1)
+    quiet = fit_cost(steps.assign(wait_ns=np.where(np.arange(400) % 5 == 0, 0.0, np.nan)))
+    wl = _workload(40, shared_blocks=0, gap_s=0.04)  # over both halves of the run's clock
+    own, swapped = (replay(wl, SETTINGS, 4096, Front(), x) for x in (c, c.with_wait(quiet)))
+    assert swapped.figures["tpot_s"]["p50"] < own.figures["tpot_s"]["p50"]  # the quiet machine's wait: faster
+
+
 def _workload(n: int, shared_blocks: int, prompt: int = 96, out: int = 8, gap_s: float = 0.001) -> Workload:
     hashes = [[1000 + j for j in range(shared_blocks)] + [10 ** 6 * (i + 1) + j for j in range(prompt // 16 -
                                                                                               shared_blocks)]
@@ -103,9 +123,12 @@ def test_shapley_is_exact_and_residual_is_the_rest(bundles):
     (dict(step_overhead_s=0.004), "step_cost", "tpot_s:p50"),
     (dict(arrival_rate_per_s=160.0, seed=0), "workload", "ttft_s:p90"),
     (dict(gateway_delay_s=0.05), "front", "ttft_s:p50"),
+    # the same code on a busier machine: its steps wait for a CPU (wait_ns), their work is unchanged
+    (dict(work_columns=True, machine_slowdown=1.5), "cpu_wait", "tpot_s:p50"),
 ])
 def test_split_assigns_the_change_to_the_component_that_changed(bundles, change, component, metric):
     base = dict(arrival_rate_per_s=100.0) if component == "workload" else {}
+    base = dict(work_columns=True) if component == "cpu_wait" else base
     a = load_inputs(bundles(**base))
     b = load_inputs(bundles(**{**base, **change}) if component != "workload" else bundles(**change))
     cf = shapley(a, b, seeds=(0,), workers=1)
@@ -119,7 +142,9 @@ def test_whatif_same_config_predicts_the_run_and_a_sweep_orders(bundles):
     same = predict(inp, {"max_num_seqs": inp.settings.max_num_seqs}, seeds=(0,))
     for k, v in same["predicted"].items():
         assert v == pytest.approx(same["measured"][k], rel=1e-9)
-    pts = [predict(inp, ch, seeds=(0,)) for ch in scenarios(["max_num_seqs=2,8,64"], None)]
+    shared: dict = {}
+    pts = [predict(inp, ch, seeds=(0,), shared=shared) for ch in scenarios(["max_num_seqs=2,8,64"], None)]
+    assert pts[2]["replayed"] == predict(inp, {"max_num_seqs": 64}, seeds=(0,))["replayed"]  # shared as-is replay
     ttft = [p["predicted"]["ttft_s:p50"] for p in pts]
     assert ttft[0] > ttft[1] > ttft[2] * 0.999
     with pytest.raises(ValueError, match="max_num_seqs"):
