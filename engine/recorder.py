@@ -89,10 +89,11 @@ class RunRecorder:
         """Everything recorded, as plain data another process can merge into a bundle (None: nothing)."""
         return None
 
-    def drain(self) -> dict[str, Any] | None:
+    def drain(self) -> Any:
         """What is done since the last drain (finished requests' rows, steps no live request needs,
-        layers, collectives, kernels, spans), as plain data like ``export()``, and dropped from
-        memory: a long-running server's rolling bundle. None: nothing recorded."""
+        layers, collectives, kernels, spans), as picklable data of the implementation's own type (the
+        probes': a ``ReplicaDrain``, or a dict like ``export()``), and dropped from memory: a
+        long-running server's rolling bundle. None: nothing recorded."""
         return None
 
     def shutdown(self) -> None:
@@ -176,7 +177,7 @@ class GatewayRecorder(RunRecorder):
     def request_done(self, request: GatewayRequest) -> None:
         """The gateway answered the request (finished, failed or refused)."""
 
-    def replica_drained(self, replica: int, drain: dict[str, Any] | None, stats: Mapping[str, Any]) -> None:
+    def replica_drained(self, replica: int, drain: Any, stats: Mapping[str, Any]) -> None:
         """A replica that ships its records (``RecorderFactory.engine(ship_records=True)``) sent ``drain``
         (its recorder's ``drain()``; None: nothing recorded) and its engine ``stats`` now: feed that
         replica's metrics here, off its step loop. Drains of one replica come in order."""

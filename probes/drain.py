@@ -5,6 +5,7 @@ a finished request's engine row and trace are made (``ProbeRecorder`` uses it to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
@@ -14,9 +15,9 @@ from layerscope.probes.requests import Phase, engine_row, gateway_phases
 from layerscope.probes.tables import collectives_table, layers_table, rows_table, steps_table
 from layerscope.probes.tracing import RequestTracer
 
-DRAIN_FORMAT = "layerscope.recorder-drain/5"  # a replica's raw drain (ProbeRecorder.drain); /2: tuples; /3: steps
+DRAIN_FORMAT = "layerscope.recorder-drain/6"  # a replica's raw drain (ProbeRecorder.drain); /2: tuples; /3: steps
 # carry sampled_ids; /4: a shipping replica's requests come without step indices (the reader inverts the steps);
-# /5: steps carry the step loop's CPU and wait (StepRecord.cpu_ns .. forward_wait_ns)
+# /5: steps carry the step loop's CPU and wait (StepRecord.cpu_ns .. forward_wait_ns); /6: a ReplicaDrain, not a dict
 PART_FORMAT = "layerscope.bundle-part"  # tables as Arrow IPC bytes (an export; the gateway's drain)
 
 if TYPE_CHECKING:
@@ -32,33 +33,70 @@ class Unpacked(NamedTuple):
     requests: list[tuple]
 
 
-def drain_steps(d: dict[str, Any]) -> "list[StepRecord]":
+@dataclass(slots=True, eq=False)
+class ReplicaDrain:
+    """A replica recorder's ``drain()`` (``ProbeRecorder.drain`` says what each field holds), pickled
+    to the gateway process. Typed: a field named wrongly on either side fails at once (TypeError,
+    AttributeError), where a dict's ``.get`` read it as None and a metric or a column went quietly
+    missing. One object per metrics push: its cost is beside the steps' tuples it carries."""
+
+    replica: str
+    replica_col: int
+    probes: str
+    config: dict[str, Any] | None
+    resolved: dict[str, Any] | None
+    start_ns: int | None
+    num_steps: int
+    write_from_step_id: int | None
+    requests_raw: list[tuple]
+    request_rows: list[dict[str, Any]]
+    index_base: int
+    steps: list[tuple]
+    coll_ns: dict[int, int]
+    layer_times: list
+    collectives: list
+    kernels: list
+    spans: list
+    launch_gap_ratio: float | None  # the last profiler window's since the last drain (None: none)
+    format: str = DRAIN_FORMAT
+    schema_version: int = schema.SCHEMA_VERSION
+    unpacked: Unpacked | None = None  # unpack_drain's result, kept once made (the reader's process)
+
+    def meta(self) -> dict[str, Any]:
+        """The header every hand-over carries (``recorder_meta``'s keys), as a part's dict has it."""
+        return {"format": self.format, "schema_version": self.schema_version, "replica": self.replica,
+                "probes": self.probes, "config": self.config, "resolved": self.resolved,
+                "start_ns": self.start_ns, "num_steps": self.num_steps,
+                "write_from_step_id": self.write_from_step_id}
+
+
+def drain_steps(d: ReplicaDrain) -> "list[StepRecord]":
     """A drain's steps as ``StepRecord``s (shipped as tuples of their fields)."""
     return unpack_drain(d).steps
 
 
-def drain_requests(d: dict[str, Any]) -> list[tuple]:
+def drain_requests(d: ReplicaDrain) -> list[tuple]:
     """A drain's finished requests: (rid, info, events, step_idx, sampled_idx, outer, traceparent),
-    events as ``RequestEvent``s and step indices into ``d["steps"]``."""
+    events as ``RequestEvent``s and step indices into ``d.steps``."""
     return unpack_drain(d).requests
 
 
-def unpack_drain(d: dict[str, Any]) -> Unpacked:
+def unpack_drain(d: ReplicaDrain) -> Unpacked:
     """``d``'s steps and requests as objects, once per drain (kept in ``d``: the gateway's metrics
     and the bundle writer both read it). A request shipped without step indices (a replica that ships
     its records: ``ProbeRecorder(ship_records=True)``) gets them here, from inverting the steps'
     ``request_ids`` / ``sampled_ids``: the drain's steps run from the first step of any request in it."""
-    got = d.get("_unpacked")
+    got = d.unpacked
     if got is not None:
         return got
     from layerscope.engine.recorder import StepRecord  # here: the bundle reader imports this module
     from layerscope.engine.request import event_from_fields
 
-    steps = list(map(StepRecord._make, d["steps"]))
-    base = d["index_base"]
+    steps = list(map(StepRecord._make, d.steps))
+    base = d.index_base
     reqs = []
     invert: dict[str, tuple[list[int], list[int]]] = {}
-    for rid, info, events, step_idx, sampled_idx, outer, tp in d["requests_raw"]:
+    for rid, info, events, step_idx, sampled_idx, outer, tp in d.requests_raw:
         evs = [event_from_fields(*e) for e in events]
         if step_idx is None:
             step_idx, sampled_idx = invert[rid] = ([], [])
@@ -81,9 +119,9 @@ def unpack_drain(d: dict[str, Any]) -> Unpacked:
                     lists = get(rid)
                     if lists is not None:
                         lists[1].append(i)
-    wf = d.get("write_from_step_id")
+    wf = d.write_from_step_id
     new_from = len(steps) if wf is None else next((i for i, s in enumerate(steps) if s.step_id >= wf), len(steps))
-    d["_unpacked"] = got = Unpacked(steps, new_from, reqs)
+    d.unpacked = got = Unpacked(steps, new_from, reqs)
     return got
 
 
@@ -105,23 +143,23 @@ def build_request(rid: str, replica_col: int, info: dict[str, Any], events, step
     return row
 
 
-def drain_tables(d: dict[str, Any], tracer: RequestTracer) -> dict[str, pa.Table]:
+def drain_tables(d: ReplicaDrain, tracer: RequestTracer) -> dict[str, pa.Table]:
     """The bundle tables of a replica's ``drain()`` (request rows not finalized, gateway fields filled
     in; ``steps`` with the context steps); builds the requests' spans with ``tracer`` (the writer's,
     one per replica)."""
-    rep, steps, coll = d["replica_col"], drain_steps(d), d["coll_ns"]
-    rows = list(d["request_rows"])
+    rep, steps, coll = d.replica_col, drain_steps(d), d.coll_ns
+    rows = list(d.request_rows)
     for rid, info, events, step_idx, sampled_idx, outer, tp in drain_requests(d):
         row = build_request(rid, rep, info, events, steps, step_idx, sampled_idx, coll, outer, tp, tracer)
         rows.append(fill(row, outer or {}))
-    spans = d["spans"] + tracer.exporter.rows
+    spans = d.spans + tracer.exporter.rows
     tracer.exporter.rows = []
     return {
         "requests": pa.Table.from_pylist(rows, schema=schema.REQUESTS),
         "steps": steps_table(steps, rep, coll),
-        "layers": layers_table(d["layer_times"], rep),
-        "kernels": rows_table(d["kernels"], schema.KERNELS),
-        "collectives": collectives_table(d["collectives"], rep),
+        "layers": layers_table(d.layer_times, rep),
+        "kernels": rows_table(d.kernels, schema.KERNELS),
+        "collectives": collectives_table(d.collectives, rep),
         "spans": rows_table(spans, schema.SPANS),
     }
 

@@ -28,6 +28,7 @@ from layerscope.probes.requests import first_timestamps
 
 if TYPE_CHECKING:
     from layerscope.engine.recorder import CollectiveRecord
+    from layerscope.probes.drain import ReplicaDrain
 
 
 class Recorded(NamedTuple):
@@ -180,7 +181,7 @@ class MetricsFeed:
                 self._requests([(st.rid, st.info, st.events, st.sampled_idx, get(st.rid)) for st in finished],
                                self._tok_ns, self._tok_base)
 
-    def feed_drain(self, d: dict[str, Any]) -> None:
+    def feed_drain(self, d: "ReplicaDrain") -> None:
         """Feed a replica's ``drain()`` (another process's: ``ProbeRecorder(ship_records=True)``): its new
         steps and layer times, its finished requests (their inter-token gaps from the drain's steps, which
         hold every step of each), its collectives and launch-gap ratio. Drains of one replica in order."""
@@ -190,16 +191,16 @@ class MetricsFeed:
         with self._lock:
             new = u.steps[u.new_from:]
             if new:
-                self._steps(Recorded(new, sum(len(s.sampled_ids) for s in new), d["layer_times"]), keep_tokens=False)
+                self._steps(Recorded(new, sum(len(s.sampled_ids) for s in new), d.layer_times), keep_tokens=False)
             if u.requests:
                 cols = np.fromiter(chain.from_iterable((s.end_ns, s.output_ns) for s in u.steps), dtype=np.int64,
                                    count=2 * len(u.steps)).reshape(-1, 2)
                 self._requests([(rid, info, evs, sampled, outer) for rid, info, evs, _, sampled, outer, _ in u.requests],
                                cols[:, 0] - cols[:, 1], 0)
-            if d["collectives"]:
-                self.collectives(d["collectives"])
-            if d.get("launch_gap_ratio") is not None:
-                self.launch_gap_ratio(d["launch_gap_ratio"])
+            if d.collectives:
+                self.collectives(d.collectives)
+            if d.launch_gap_ratio is not None:
+                self.launch_gap_ratio(d.launch_gap_ratio)
 
     def drop_steps_before(self, index: int) -> None:
         """The recorder dropped its steps before recorded index ``index`` (a drain): no request still to

@@ -32,7 +32,7 @@ import pyarrow as pa
 from layerscope.engine.recorder import CollectiveRecord, Recorder, StepRecord
 from layerscope.engine.request import event_fields
 from layerscope.probes import schema
-from layerscope.probes.drain import DRAIN_FORMAT, build_request, fill
+from layerscope.probes.drain import ReplicaDrain, build_request, fill
 from layerscope.probes.feed import MetricsFeed, Recorded
 from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
 from layerscope.probes.requests import OUTER_FIELDS, finalize_row, prefix_hashes
@@ -384,7 +384,7 @@ class ProbeRecorder(Recorder):
 
         return make_export(self)
 
-    def drain(self) -> dict[str, Any] | None:
+    def drain(self) -> ReplicaDrain | None:
         """What is done since the last drain, as plain picklable data, dropped from memory.
 
         Finished requests as recorded (info, events, step indices, gateway fields, traceparent:
@@ -416,28 +416,26 @@ class ProbeRecorder(Recorder):
         context = self._steps[lo - base:]
         write_from = self._steps[self._steps_drained - base].step_id if self._steps_drained < end else None
         spans = self.tracer.exporter.rows
-        out = {
-            "format": DRAIN_FORMAT,
-            "schema_version": schema.SCHEMA_VERSION,
-            "replica": str(self.replica),
-            "replica_col": self._replica_col,
-            "probes": self.level,
-            "config": self.config,
-            "resolved": self.resolved,
-            "start_ns": self.start_ns,
-            "num_steps": end,
-            "write_from_step_id": write_from,
-            "requests_raw": raw,
-            "request_rows": rows,
-            "index_base": lo,
-            "steps": list(map(tuple, context)),  # plain tuples: pickled with no call per step
-            "coll_ns": {s.step_id: coll[s.step_id] for s in context if s.step_id in coll} if coll else {},
-            "layer_times": self._layer_times,
-            "collectives": self._collectives,
-            "kernels": list(self.profiler.rows) if self.profiler is not None else [],
-            "spans": list(spans),
-            "launch_gap_ratio": self._gap,  # the last profiler window's since the last drain (None: none)
-        }
+        out = ReplicaDrain(
+            replica=str(self.replica),
+            replica_col=self._replica_col,
+            probes=self.level,
+            config=self.config,
+            resolved=self.resolved,
+            start_ns=self.start_ns,
+            num_steps=end,
+            write_from_step_id=write_from,
+            requests_raw=raw,
+            request_rows=rows,
+            index_base=lo,
+            steps=list(map(tuple, context)),  # plain tuples: pickled with no call per step
+            coll_ns={s.step_id: coll[s.step_id] for s in context if s.step_id in coll} if coll else {},
+            layer_times=self._layer_times,
+            collectives=self._collectives,
+            kernels=list(self.profiler.rows) if self.profiler is not None else [],
+            spans=list(spans),
+            launch_gap_ratio=self._gap,
+        )
         self._gap = None
         self._drop_drained(end, base)
         del spans[:]

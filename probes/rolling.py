@@ -49,7 +49,7 @@ from layerscope.probes.bundle import (
     MANIFEST, METRICS_FILE, PART_FORMAT, TRACES_DIR, BundleError, check_version, table_from_bytes,
     manifest, with_components, write_table, write_text,
 )
-from layerscope.probes.drain import DRAIN_FORMAT, drain_tables
+from layerscope.probes.drain import DRAIN_FORMAT, ReplicaDrain, drain_tables
 from layerscope.probes.requests import finalize_row
 from layerscope.probes.tracing import RequestTracer
 
@@ -169,13 +169,13 @@ class RollingBundleWriter:
         """Request rows held in memory, waiting for another side before they are written."""
         return len(self._sides)
 
-    def add(self, gateway_drain: dict | None, replica_drains: list[dict | None], metrics_text: str = "",
+    def add(self, gateway_drain: dict | None, replica_drains: list[ReplicaDrain | dict | None], metrics_text: str = "",
             client_rows: list[dict] = ()) -> int:
         """Write the next part from the drains (one interval) and the client's rows (requests.parquet
         client columns with the server's request_id); returns its number."""
         return self._part(gateway_drain, replica_drains, metrics_text, client_rows, final=False)
 
-    def close(self, gateway_drain: dict | None = None, replica_drains: list[dict | None] = (),
+    def close(self, gateway_drain: dict | None = None, replica_drains: list[ReplicaDrain | dict | None] = (),
               metrics_text: str = "", client_rows: list[dict] = ()) -> Path:
         """Write the last part (every row still waiting for its other side goes in it) and mark the
         bundle complete."""
@@ -223,35 +223,37 @@ class RollingBundleWriter:
         self._write_manifest()
         return k
 
-    def _take(self, d: dict, k: int, new: dict[str, list[pa.Table]]) -> None:
-        if d.get("format") not in (PART_FORMAT, DRAIN_FORMAT):
-            raise BundleError(f"not a layerscope recorder drain (format {d.get('format')!r})")
-        check_version(d, Path("<drain>"))
-        rep = d["replica"]
-        if d["format"] == DRAIN_FORMAT:  # a replica's raw drain: its rows and spans are built here
+    def _take(self, d: ReplicaDrain | dict, k: int, new: dict[str, list[pa.Table]]) -> None:
+        raw = isinstance(d, ReplicaDrain)  # a replica's raw drain, else a part's dict (an export, the gateway's)
+        meta = d.meta() if raw else d
+        if meta.get("format") != (DRAIN_FORMAT if raw else PART_FORMAT):
+            raise BundleError(f"not a layerscope recorder drain (format {meta.get('format')!r})")
+        check_version(meta, Path("<drain>"))
+        rep = meta["replica"]
+        if raw:  # its rows and spans are built here
             tracer = self._tracers.get(rep)
             if tracer is None:
                 tracer = self._tracers[rep] = RequestTracer("layerscope", rep, otlp=False)
             tables = drain_tables(d, tracer)
         else:
             tables = {name: table_from_bytes(b) for name, b in d["tables"].items()}
-        if self.config is None and d.get("config"):
-            self.config = d["config"]
-        if d.get("resolved") and d["resolved"] not in self.resolved:
-            self.resolved.append(d["resolved"])
-        if d.get("start_ns") is not None:
-            self.start_ns = d["start_ns"] if self.start_ns is None else min(self.start_ns, d["start_ns"])
+        if self.config is None and meta.get("config"):
+            self.config = meta["config"]
+        if meta.get("resolved") and meta["resolved"] not in self.resolved:
+            self.resolved.append(meta["resolved"])
+        if meta.get("start_ns") is not None:
+            self.start_ns = meta["start_ns"] if self.start_ns is None else min(self.start_ns, meta["start_ns"])
         if rep == "gateway":
             self._seen_gateway = True
         elif self.probes is None:
-            self.probes = d.get("probes")
-        self._num_steps[rep] = d.get("num_steps") or 0
+            self.probes = meta.get("probes")
+        self._num_steps[rep] = meta.get("num_steps") or 0
         if "requests" in tables:
             for row in tables["requests"].to_pylist():
                 self._hold(row, "gateway" if rep == "gateway" else "engine", k)
         steps = tables.get("steps")
         if steps is not None and rep != "gateway":
-            wf = d.get("write_from_step_id")
+            wf = meta.get("write_from_step_id")
             if wf is not None:
                 new["steps"].append(steps.filter(pc.greater_equal(steps["step_id"], wf)))
             spans = tables.get("spans", schema.SPANS.empty_table())

@@ -17,7 +17,7 @@ from layerscope.engine.recorder import GatewayRecorder, GatewayRequest, Recorder
 from layerscope.contract import FINISH_REASON
 from layerscope.probes import schema
 from layerscope.probes.metrics import GATEWAY_REPLICA, create_metrics
-from layerscope.probes.drain import make_drain
+from layerscope.probes.drain import ReplicaDrain, make_drain
 from layerscope.probes.feed import MetricsFeed
 from layerscope.probes.recorder import LEVELS, ProbeRecorder
 from layerscope.probes.requests import gateway_phases
@@ -188,7 +188,7 @@ class GatewayProbeRecorder(ProbeRecorder, GatewayRecorder):
             if request.e2e_s is not None:
                 m.child("layerscope_e2e_request_latency_seconds").observe(request.e2e_s)
 
-    def replica_drained(self, replica: int, drain: dict[str, Any] | None, stats: Mapping[str, Any]) -> None:
+    def replica_drained(self, replica: int, drain: ReplicaDrain | None, stats: Mapping[str, Any]) -> None:
         """Feed replica ``replica``'s metrics from its drain, as its own recorder would have in its process
         (same metric set, ``replica`` label); the engine gauges from ``stats``. Runs on the replica's
         reader thread, under the feed's lock."""

@@ -92,7 +92,7 @@ class RequestError:
 class MetricsSnapshot:
     families: list  # Prometheus metric families of the replica's recorder ([] with probes off, or shipping)
     stats: dict[str, Any]  # LLMEngine.stats()
-    drain: dict[str, Any] | None = None  # a shipping replica's recorder drain() (the gateway feeds its metrics)
+    drain: Any = None  # a shipping replica's recorder drain() (the gateway feeds its metrics); None: none
 
 
 @dataclass
@@ -102,7 +102,7 @@ class Records:
 
 @dataclass
 class Drained:
-    export: dict[str, Any] | None  # the recorder's drain(); None without probes
+    export: Any  # the recorder's drain(); None without probes
 
 
 @dataclass

@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Any, Callable
 
 from layerscope.engine.faults import Faults
 from layerscope.engine.gateway.messages import (AbortRequest, AddRequest, CollectRecords, Drained, DrainRecords, Exited,
@@ -96,7 +96,7 @@ class _Replica:
         self.last_push = time.monotonic()
         self.dirty = False  # something changed since the last metrics push
 
-    def drain(self) -> dict | None:
+    def drain(self) -> Any:
         """The recorder's ``drain()``; a broken drain loses its records, not the replica."""
         try:
             return self.recorder.drain()

@@ -102,7 +102,7 @@ def test_recorded_tables_count_what_the_engine_did(tiny_model):
 
 def test_drained_records_count_what_the_engine_did(tiny_model):
     engine, rec, done, drains = _run(tiny_model, drain_every=4)
-    assert len(drains) > 5 and sum(len(d["requests_raw"]) for d in drains) == len(done)
+    assert len(drains) > 5 and sum(len(d.requests_raw) for d in drains) == len(done)
     tracer = RequestTracer("test", 0, otlp=False)
     steps, requests = {}, []
     for d in drains:

@@ -97,7 +97,7 @@ def test_a_live_request_keeps_its_steps_and_the_rest_go(tiny_model, tmp_path):
     while "short" in rec._live or not rec._done:
         engine.step()
     d = rec.drain()
-    assert d["write_from_step_id"] == 1
+    assert d.write_from_step_id == 1
     first_long = rec._live["long"].step_idx[0]
     assert rec._step_base == first_long == 0 and len(rec._steps) == rec.num_steps  # "long" needs them all
     while engine.has_unfinished_requests():

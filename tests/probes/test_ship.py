@@ -151,7 +151,7 @@ def test_shipping_recorder_keeps_only_steps_of_live_requests(teed):
     assert ship._steps == [] and not ship._finishing and not ship._live and not ship._done
     # mid-run, it kept far fewer steps than it had recorded
     assert max(kept) < ship.num_steps / 2
-    assert all(all(step_idx is None for _, _, _, step_idx, *_ in d["requests_raw"]) for d in drains)
+    assert all(all(step_idx is None for _, _, _, step_idx, *_ in d.requests_raw) for d in drains)
     with pytest.raises(RuntimeError, match="drain"):
         ship.tables()
 

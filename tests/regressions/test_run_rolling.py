@@ -29,9 +29,9 @@ def _num_rows(drain) -> int:
 
     if drain is None:
         return 0
-    if "tables" in drain:
+    if isinstance(drain, dict):
         return table_from_bytes(drain["tables"]["requests"]).num_rows
-    return len(drain["requests_raw"]) + len(drain["request_rows"])
+    return len(drain.requests_raw) + len(drain.request_rows)
 
 
 @pytest.fixture(scope="module")
