@@ -20,7 +20,9 @@ def _diag(a, b):
 
 def test_max_num_seqs_under_burst_is_engine_queue(vllm_runs):
     d = _diag(vllm_runs["aa1"], vllm_runs["seqs2"])
-    assert d["verdict"] == "regression"
+    # a cap trades TTFT for TPOT: regression, or mixed where the server's TPOT gain is significant too
+    # (the headline rule, docs/diagnose.md §2.8); engine.queue is the cost's layer either way
+    assert d["verdict"] in ("regression", "mixed"), {k: (v["delta_pct"], v["significant"]) for k, v in d["metrics"].items()}
     assert d["primary"]["layer"] == "engine.queue", d["findings"][:2]
     assert "max_num_seqs" in [c["key"] for c in d["config_diff"]]
 
