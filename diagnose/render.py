@@ -18,6 +18,7 @@ from layerscope.diagnose.stats import mirrored_fall_pct
 METRIC_LABELS = {
     "ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "tpot_p50_s": "TPOT p50", "tpot_p99_s": "TPOT p99",
     "e2e_p50_s": "E2E p50", "output_tokens_per_s": "tokens/s", "goodput_requests_per_s": "goodput req/s",
+    "step_work_s": "step own time", "gateway_queue_s": "gateway admission p50",
 }
 
 
