@@ -35,7 +35,6 @@ SEL = '{job="fleet"}'
 WORKLOAD = dict(burst_size=8, burst_interval_s=4.0, input_len=48, output_len=16, output_sigma=0.0,
                 max_output_len=16, api="completions")
 VLLM_PY = Path.home() / ".cache" / "layerscope" / "vllm-venv" / "bin" / "python"
-KV_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _ours(model: Path, port: int, *extra: str) -> list[str]:
@@ -95,7 +94,7 @@ def scenario(tmp_path_factory, live, small_model):
     with ExitStack() as stack:
         # the three start together (their start-ups overlap); each waited for, each group stopped on exit
         specs = {"v": (live.vllm_argv(py, model, "--max-num-seqs", "8", "--enforce-eager", "--max-model-len", "512"),
-                       tmp / "vllm.log", KV_ENV, 900),
+                       tmp / "vllm.log", live.kv_env, 900),
                  "b": (_ours(model, pb, "--fault", FAULT), tmp / "b.log", None, 300),
                  "a1": (_ours(model, pa), tmp / "a1.log", None, 300)}
         procs = {k: start(argv, log, env) for k, (argv, log, env, _) in specs.items()}
