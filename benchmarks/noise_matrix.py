@@ -67,8 +67,8 @@ LAYERS: tuple[Slowdown, ...] = (
     Slowdown("parallel.collective", "collective.delay_ms", "tpot_p50_s", per_unit="collectives", baseline={"tp": 2}),
 )
 # Each distinct ``baseline`` is calibrated by a quiet pair of its own: a TP-2 step on two cores runs six
-# gloo all-reduces (~10 ms a token against TP-1's 0.7 ms), so TP-1's MDE sizes a collective delay far
-# below what a TP-2 pair can see (the first full matrix did: +1 ms a step on 10 ms, 11 of 18 pairs missed).
+# gloo all-reduces (~10 ms a token against TP-1's 0.7 ms), so TP-1's MDE would size a collective delay far
+# below what a TP-2 pair can see.
 
 
 @dataclass
@@ -283,10 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     st = fm.Settings(fm.ensure_model(args.model, out), out, max_busy=1.0, quiet_timeout_s=0, retries=0)
     cals: dict[str, dict[str, Any]] = {}
     pairs: list[Pair] = []
-    for layer in [None, *layers]:  # the plain runs' calibration is the "none" condition's first A/A pair
-        base = known[layer].baseline if layer else {}
+    # the baselines to calibrate, the plain runs' first: their calibration is the "none" condition's first A/A
+    bases = [{}] * (args.aa_reps > 0) + [known[x].baseline for x in layers]
+    for base in bases:
         key = json.dumps(base, sort_keys=True)
-        if key in cals or (layer is None and args.aa_reps == 0 and all(known[x].baseline for x in layers)):
+        if key in cals:
             continue
         cals[key], first = calibrate(st, base)
         if not base:

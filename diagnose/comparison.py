@@ -127,14 +127,15 @@ def compare(baseline: Run | str | Path | RunAnalysis, candidate: Run | str | Pat
 
     # both runs saturated (a burst, or load beyond capacity): the larger run-to-run prior applies
     saturated = max(_served_share(a), _served_share(b)) < 0.5
-    metrics = _latency_metrics(a, b, rule, saturated)
+    pairs = _pairs(a.ok, b.ok)  # the same requests in both runs (None: not the same workload)
+    metrics = _latency_metrics(a, b, pairs, rule, saturated)
     metrics[THROUGHPUT] = _throughput(a, b, rule, saturated)
     good_a, good_b = meets_slo(a.ok, the_slo), meets_slo(b.ok, the_slo)  # a.ok is in arrival order
     metrics[GOODPUT] = _goodput(a, good_a, b, good_b, rule, saturated)
     work = work_change(a, b, rule)  # None unless both runs' steps carry their CPU wait
     if work is not None:
         metrics[WORK_METRIC] = work
-    gateway = front_change(a, b, _pairs(a.ok, b.ok), rule, saturated)  # None without a gateway (offline)
+    gateway = front_change(a, b, pairs, rule, saturated)  # None without a gateway (offline)
     if gateway is not None:
         metrics[FRONT_METRIC] = gateway
 
@@ -201,10 +202,10 @@ def _diagnosis(a: RunAnalysis, b: RunAnalysis, verdict: str, metrics: dict, find
     return diagnosis, cdiff
 
 
-def _latency_metrics(a: RunAnalysis, b: RunAnalysis, rule: Rule, saturated: bool) -> dict[str, dict]:
-    """Each LATENCY_METRICS row compared (stats.compare_quantile), paired where both runs served the same requests."""
+def _latency_metrics(a: RunAnalysis, b: RunAnalysis, pairs, rule: Rule, saturated: bool) -> dict[str, dict]:
+    """Each LATENCY_METRICS row compared (stats.compare_quantile), paired (``pairs``: ``_pairs``) where both
+    runs served the same requests."""
     metrics: dict[str, dict] = {}
-    pairs = _pairs(a.ok, b.ok)
     for name, m, q, kind in LATENCY_METRICS:
         run_se = rule.pair_run_se(name, kind, saturated)
         if pairs is not None:

@@ -11,7 +11,7 @@ stands beside it. Per significant metric whose change the machine could explain 
   (1 - w_a) / (1 - w_b) (not the yardstick: too noisy here). Beyond the step's floor the way the metric
   moved: ``software``; within one SE that way, or less than the contention predicts (which moved that
   way): ``machine``; otherwise ``unsure``;
-- a change that sits in the front end: the gateway/client process's own CPU wait (``judge_front``).
+- a change that sits in the front end: the gateway/client process's own CPU wait (``front.judge_front``).
 
 ``settle`` turns the labels into a verdict: any ``software`` keeps the headline over the metrics that
 are not the machine's; else any ``unsure`` is ``inconclusive`` (the candidate layer first, the smallest
@@ -24,9 +24,10 @@ from __future__ import annotations
 import math
 
 from layerscope.diagnose.front import METRIC as FRONT_METRIC
-from layerscope.diagnose.front import judge as judge_gateway
+from layerscope.diagnose.front import judge as judge_admission
+from layerscope.diagnose.front import judge_front
 from layerscope.diagnose.headline import headline
-from layerscope.diagnose.rules import HARDWARE, is_front
+from layerscope.diagnose.rules import HARDWARE, PHASE_OF, is_front
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, repetitions_needed, z
 from layerscope.diagnose.work import matched_step_ratio, work_parts
 
@@ -101,21 +102,6 @@ def _front_measured(env: dict) -> bool:
     return bool(w) and all(x is not None and math.isfinite(x) for x in w)
 
 
-def judge_front(metric: dict, env: dict) -> dict:
-    """A change that sits in the front end, judged by the gateway and client's own process: it waited
-    for a CPU >= MIN_WAIT_SHARE more of its runnable time in the slower run (``machine``), or not
-    (``software``: the engine's steps say nothing of how much CPU another process got)."""
-    from layerscope.diagnose.machine import MIN_WAIT_SHARE
-
-    fa, fb = env["front_wait_share"]
-    s = 1.0 if metric.get("worse") else -1.0
-    more = s * (fb - fa) >= MIN_WAIT_SHARE
-    return {"label": "machine" if more else "software", "residual": math.nan, "contention": math.nan,
-            "step": math.nan, "machine_share": math.nan,
-            "text": f"the change sits in the front end, whose process waited for a CPU {fa:.0%} -> {fb:.0%} of its "
-                    f"runnable time: {'more' if more else 'not more'} in the slower run"}
-
-
 def _pct(x: float) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:.0f}%"
 
@@ -135,10 +121,14 @@ def settle(verdict: str, metrics: dict, findings: list[dict], env: dict, causes,
            work: dict | None, hardware, rule: Rule = DEFAULT_RULE) -> tuple[str, list[dict], dict | None]:
     """(verdict, findings, inconclusive) once every metric in ``explained`` is judged (module doc).
     ``hardware(names)``: the hardware findings for the metrics the machine accounts for."""
-    judged = {n: judge_front(metrics[n], env) if _front_main(findings, n) and _front_measured(env)
-              else judge(n, metrics[n], env, causes, work, rule) for n in explained}
-    if FRONT_METRIC in judged:  # the gateway's own row: how far beyond what its process's wait predicts
-        judged[FRONT_METRIC] = judge_gateway(metrics[FRONT_METRIC], env, rule) or judged[FRONT_METRIC]
+    def judged_one(n: str) -> dict:
+        if n == FRONT_METRIC and (j := judge_admission(metrics[n], env, rule)) is not None:
+            return j  # the gateway's own row: how far beyond what its process's wait predicts
+        if _front_main(findings, n) and _front_measured(env):
+            return judge_front(metrics[n], env)
+        return judge(n, metrics[n], env, causes, work, rule)
+
+    judged = {n: judged_one(n) for n in explained}
     machine = [n for n, j in judged.items() if j["label"] == "machine"]
     software = [n for n, j in judged.items() if j["label"] == "software"]
     unsure = [n for n, j in judged.items() if j["label"] == "unsure"]
@@ -212,7 +202,7 @@ def hidden_change(metrics: dict, env: dict, causes, work: dict | None, rule: Rul
     if work is not None:  # the steps' own clocks say which phase's work moved
         cf = 1.0
         moved, parts = work_parts({**work, "delta_pct": 100 * (res - 1)}, causes, STEP_METRIC)
-        phase = next(k for k, v in PHASE_LAYERS.items() if v == moved)
+        phase = PHASE_OF[moved]
         ratios = {phase: res}
     else:
         ratios = {k: v for k, v in causes.phase_ratios().items() if math.isfinite(v) and v > 0}

@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from layerscope.diagnose import decompose
+from layerscope.diagnose.machine import MIN_WAIT_SHARE
 from layerscope.diagnose.rules import ADMISSION
 from layerscope.diagnose.stats import DEFAULT_RULE, Rule, compare_quantile, z
 
@@ -44,15 +45,15 @@ def front_change(a, b, pairs, rule: Rule = DEFAULT_RULE, saturated: bool = False
     return row
 
 
+QUEUE_RATIO = 3.0  # median / p5 of the admission beyond which it is a queue (quiet chat runs: 1.0-1.5)
+
+
 def queued(v: np.ndarray) -> bool:
     """Requests waited behind others in the admission (a queue: the median many times the fastest
     requests'), not a cost each paid alike: a queue's wait grows without bound as its server slows
     (an A/A burst pair read 19 -> 114 ms beside a busier front end), a cost's no more than the stretch."""
     v = v[np.isfinite(v)]
     return bool(len(v) >= 5 and np.quantile(v, 0.5) > QUEUE_RATIO * max(np.quantile(v, 0.05), 1e-6))
-
-
-QUEUE_RATIO = 3.0  # median / p5 of the admission beyond which it is a queue (quiet chat runs: ~1.2)
 
 
 def finding(row: dict) -> dict:
@@ -70,7 +71,7 @@ def judge(row: dict, env: dict, rule: Rule = DEFAULT_RULE) -> dict | None:
     """software | machine | unsure for the row on machines that differed, from the gateway process's
     run-queue wait share f: contention stretches a cost each request pays by at most (1 - f_a) / (1 - f_b).
     Beyond that by the row's floor, the way it moved: ``software``; within one SE: ``machine``; else
-    ``unsure``. A queued admission (``queued``) is judged as any front-end change (contention.judge_front).
+    ``unsure``. A queued admission (``queued``) is judged as any front-end change (``judge_front``).
     None where the gateway's wait was not recorded."""
     w = env.get("front_wait_share")
     if not w or not all(x is not None and math.isfinite(x) and x < 1 for x in w):
@@ -81,8 +82,6 @@ def judge(row: dict, env: dict, rule: Rule = DEFAULT_RULE) -> dict | None:
         return None
     s = 1.0 if row.get("worse") else -1.0
     if row.get("queued"):  # no bound on what contention does to a queue: the process's wait alone decides
-        from layerscope.diagnose.contention import judge_front
-
         return judge_front(row, env)
     predicted = (1 - fa) / (1 - fb)
     res = (1 + d / 100) / predicted
@@ -97,3 +96,16 @@ def judge(row: dict, env: dict, rule: Rule = DEFAULT_RULE) -> dict | None:
             f"{fb:.0%} of its runnable time, which stretches it x{predicted:.2f} at most: beyond it x{res:.2f}")
     return {"label": label, "residual": res, "contention": predicted, "step": math.nan,
             "machine_share": math.log(predicted) / math.log1p(d / 100) if abs(d) > 1e-9 else math.nan, "text": text}
+
+
+def judge_front(metric: dict, env: dict) -> dict:
+    """A change that sits in the front end, judged by the gateway and client's own process: it waited
+    for a CPU >= MIN_WAIT_SHARE more of its runnable time in the slower run (``machine``), or not
+    (``software``: the engine's steps say nothing of how much CPU another process got)."""
+    fa, fb = env["front_wait_share"]
+    s = 1.0 if metric.get("worse") else -1.0
+    more = s * (fb - fa) >= MIN_WAIT_SHARE
+    return {"label": "machine" if more else "software", "residual": math.nan, "contention": math.nan,
+            "step": math.nan, "machine_share": math.nan,
+            "text": f"the change sits in the front end, whose process waited for a CPU {fa:.0%} -> {fb:.0%} of its "
+                    f"runnable time: {'more' if more else 'not more'} in the slower run"}

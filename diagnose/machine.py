@@ -21,9 +21,9 @@ import pandas as pd
 from layerscope.diagnose.config_diff import can_move
 from layerscope.diagnose.rules import FRONT_LAYERS, GATEWAY_LAYERS, HARDWARE, ROUTE
 from layerscope.diagnose.rules import MACHINE_LAYERS as _MACHINE_LAYERS
-from layerscope.diagnose.work import METRIC as WORK_METRIC
 from layerscope.diagnose.rules import within as _within
 from layerscope.diagnose.stats import mann_whitney_p
+from layerscope.diagnose.work import METRIC as WORK_METRIC
 
 MIN_CORES = 0.25  # a material contention difference: at least this many cores ...
 MIN_CPU_SHARE = 0.10  # ... and this share of the usable CPUs

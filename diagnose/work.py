@@ -154,12 +154,11 @@ def work_parts(change: dict, causes, metric: str) -> tuple[str, list]:
     then ``causes.explain`` (attribution.Causes) names what moved it (a collective inside the forward,
     one row, a kernel), as it does for a latency metric's share of a phase."""
     s = 1.0 if change.get("delta_pct", 0.0) >= 0 else -1.0
-    if all(math.isfinite(change.get(k, math.nan)) for k in ("forward_own_ratio", "rest_own_ratio")):
-        phase = layer_of(change)
-    else:  # no own-time ratio for a phase: the phases' wall time per step at equal batch size decides
-        phase = max((FORWARD, *HOST_PHASES), key=lambda k: s * causes.phase.get(k, 0.0))
-    if phase != FORWARD:
-        phase = max(HOST_PHASES, key=lambda k: s * causes.phase.get(k, 0.0))
+    if not all(math.isfinite(change.get(k, math.nan)) for k in ("forward_own_ratio", "rest_own_ratio")):
+        phases = (FORWARD, *HOST_PHASES)  # no own-time ratio: the phases' wall time per step decides
+    else:
+        phases = (FORWARD,) if layer_of(change) == FORWARD else HOST_PHASES
+    phase = max(phases, key=lambda k: s * causes.phase.get(k, 0.0))
     return phase, causes.explain(phase, s * 1e-3, metric)
 
 

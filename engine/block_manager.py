@@ -155,30 +155,26 @@ class BlockManager:
         Returns the newly allocated block ids, or None when the pool cannot fit them
         (nothing is changed then).
         """
-        if not new_computed_blocks:  # every step of a running request: the replay's hot path (~4x cheaper)
-            num_new_blocks = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(
-                request.block_ids)
-            if num_new_blocks <= 0:
+        num_hits = len(new_computed_blocks)
+        num_new_blocks = max(self.num_blocks_for(request.num_computed_tokens + num_hits * self.block_size
+                                                 + num_new_tokens) - len(request.block_ids) - num_hits, 0)
+        if not num_hits:  # a running request's step (the replay's hot path): most fill no new block
+            if num_new_blocks == 0:
                 return []
             if num_new_blocks > len(self.free_block_queue):
                 return None
-            new_ids = [self._take_free_block() for _ in range(num_new_blocks)]
-            request.block_ids.extend(new_ids)
-            return new_ids
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = self.num_blocks_for(num_computed + num_new_tokens)
-        num_new_blocks = num_required - len(request.block_ids) - len(new_computed_blocks)
-        # adopting a cached block that no one holds takes it out of the free queue
-        num_evictable_hits = sum(1 for b in new_computed_blocks if self.blocks[b].ref_count == 0)
-        if max(num_new_blocks, 0) + num_evictable_hits > self.num_free_blocks:
-            return None
-        for block_id in new_computed_blocks:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_block_queue[block_id]
-            block.ref_count += 1
-            request.block_ids.append(block_id)
-        new_ids = [self._take_free_block() for _ in range(max(num_new_blocks, 0))]
+        else:
+            # adopting a cached block that no one holds takes it out of the free queue
+            num_evictable_hits = sum(1 for b in new_computed_blocks if self.blocks[b].ref_count == 0)
+            if num_new_blocks + num_evictable_hits > self.num_free_blocks:
+                return None
+            for block_id in new_computed_blocks:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free_block_queue[block_id]
+                block.ref_count += 1
+                request.block_ids.append(block_id)
+        new_ids = [self._take_free_block() for _ in range(num_new_blocks)]
         request.block_ids.extend(new_ids)
         return new_ids
 

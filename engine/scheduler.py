@@ -257,14 +257,12 @@ class Scheduler:
         updated: list[Request] = []
         requests, bm, sampled, running = self.requests, self.block_manager, runner_out.sampled_token_ids, \
             RequestStatus.RUNNING  # locals: once per scheduled request per step
-        bs = bm.block_size
         for sched in out.scheduled:
             req = requests.get(sched.request_id)
             if req is None or req.status is not running:
                 continue  # aborted while the step ran
             req.num_computed_tokens += sched.num_new_tokens
-            if req.num_computed_tokens >= (len(req.block_hashes) + 1) * bs:  # else no block filled: nothing to hash
-                bm.cache_blocks(req, req.num_computed_tokens)
+            bm.cache_blocks(req, req.num_computed_tokens)  # returns at once when no block filled
             if not sched.do_sample:
                 continue
             token = sampled[sched.request_id]
